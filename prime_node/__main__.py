@@ -1,0 +1,3 @@
+from prime_node.cli.main import main
+
+main()

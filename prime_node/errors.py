@@ -1,0 +1,15 @@
+"""The error root of prime_node/: failures of the agent's own I/O and configuration.
+
+Each NodeError carries a ``reason`` code and a message written for the person at the terminal: the CLI
+prints the message as one line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+
+class NodeError(Exception):
+    """A failure the user can act on: a missing file, a wrong password, a port in use, a bad flag."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
