@@ -5,7 +5,7 @@ derived from the wallet key.
 """
 
 from crypto.digests import blake3, keccak256, sha256
-from crypto.errors import CryptoError, KeystoreError, WrongPassword
+from crypto.errors import CryptoError, KeystoreError, WrongPasswordError
 from crypto.identity import address_from_peer_id, peer_id_from_public_key, public_key_from_peer_id
 from crypto.keys import Address, WalletKey, address_from_public_key
 from crypto.signatures import eip191_digest, recover_address, sign_message, verify_message
@@ -15,7 +15,7 @@ __all__ = [
     "CryptoError",
     "KeystoreError",
     "WalletKey",
-    "WrongPassword",
+    "WrongPasswordError",
     "address_from_peer_id",
     "address_from_public_key",
     "blake3",

@@ -18,7 +18,7 @@ class KeystoreError(CryptoError):
     """A keystore document that cannot be decrypted: corrupt, unsupported or hostile."""
 
 
-class WrongPassword(KeystoreError):
+class WrongPasswordError(KeystoreError):
     """The keystore is well-formed but its MAC does not match: the password is wrong."""
 
     def __init__(self) -> None:

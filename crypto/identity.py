@@ -64,7 +64,7 @@ def public_key_from_peer_id(peer_id: str) -> bytes:
     header = bytes([_IDENTITY_MULTIHASH, _ENCODED_KEY_SIZE]) + _PROTOBUF_PREFIX
     if len(raw) != len(header) + COMPRESSED_PUBLIC_KEY_SIZE or not raw.startswith(header):
         raise CryptoError("not the peer ID of a secp256k1 wallet key", reason="bad_peer_id")
-    public_key = raw[len(header):]
+    public_key = raw[len(header) :]
     address_from_public_key(public_key)
     return public_key
 

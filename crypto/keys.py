@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import coincurve
 
@@ -39,7 +40,9 @@ class Address:
         """Parse ``0x``-prefixed hex. Mixed case must carry a valid EIP-55 checksum."""
         text = text.strip()
         if not _HEX_ADDRESS.match(text):
-            raise CryptoError(f"not an address (want 0x and 40 hex digits): {text[:50]!r}", reason="bad_address")
+            raise CryptoError(
+                f"not an address (want 0x and 40 hex digits): {text[:50]!r}", reason="bad_address"
+            )
         digits = text[2:] if text.startswith("0x") else text
         address = cls(bytes.fromhex(digits))
         is_mixed_case = digits != digits.lower() and digits != digits.upper()
@@ -51,14 +54,16 @@ class Address:
         """EIP-55: hex digits uppercased where the keccak of the lowercase hex has a nibble >= 8."""
         lower = self.raw.hex()
         nibbles = keccak256(lower.encode("ascii")).hex()
-        return "0x" + "".join(c.upper() if int(n, 16) >= 8 else c for c, n in zip(lower, nibbles[: len(lower)], strict=True))
+        return "0x" + "".join(
+            c.upper() if int(n, 16) >= 8 else c for c, n in zip(lower, nibbles[: len(lower)], strict=True)
+        )
 
     def __str__(self) -> str:
         return self.checksummed()
 
 
 def address_from_public_key(public_key: bytes) -> Address:
-    """keccak-256 of the 64-byte uncompressed point, last 20 bytes. Accepts compressed or uncompressed keys."""
+    """keccak-256 of the 64-byte uncompressed point, last 20 bytes. Takes either key form."""
     try:
         point = coincurve.PublicKey(public_key).format(compressed=False)
     except (ValueError, TypeError) as exc:
@@ -85,12 +90,17 @@ class WalletKey:
             if 0 < int.from_bytes(secret, "big") < SECP256K1_ORDER:
                 return cls(secret)
 
-    @property
+    # Derived values are cached: the key is immutable, and signing hot paths ask for them every time.
+    @cached_property
+    def _signer(self) -> coincurve.PrivateKey:
+        return coincurve.PrivateKey(self.secret)
+
+    @cached_property
     def public_key(self) -> bytes:
         """Compressed (33-byte) public key: the form libp2p puts in peer IDs."""
-        return coincurve.PrivateKey(self.secret).public_key.format(compressed=True)
+        return bytes(self._signer.public_key.format(compressed=True))
 
-    @property
+    @cached_property
     def address(self) -> Address:
         return address_from_public_key(self.public_key)
 
@@ -101,5 +111,5 @@ class WalletKey:
         """
         if len(digest) != 32:
             raise CryptoError("a signed digest is exactly 32 bytes", reason="bad_digest")
-        signature = coincurve.PrivateKey(self.secret).sign_recoverable(digest, hasher=None)
+        signature = self._signer.sign_recoverable(digest, hasher=None)
         return signature[:64] + bytes([27 + signature[64]])

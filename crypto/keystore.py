@@ -20,7 +20,7 @@ from Crypto.Cipher import AES
 from Crypto.Util import Counter
 
 from crypto.digests import keccak256
-from crypto.errors import CryptoError, KeystoreError, WrongPassword
+from crypto.errors import CryptoError, KeystoreError, WrongPasswordError
 from crypto.keys import Address, WalletKey
 
 MAX_DOCUMENT_BYTES = 64 * 1024
@@ -53,6 +53,7 @@ class ScryptParams:
             )
 
 
+DEFAULT_SCRYPT = ScryptParams()
 # Light parameters for tests and benchmarks only (milliseconds instead of a second).
 TEST_SCRYPT = ScryptParams(n=1 << 10, r=8, p=1)
 
@@ -60,7 +61,12 @@ TEST_SCRYPT = ScryptParams(n=1 << 10, r=8, p=1)
 def _scrypt(password: bytes, salt: bytes, params: ScryptParams, dklen: int) -> bytes:
     params.check()
     return hashlib.scrypt(
-        password, salt=salt, n=params.n, r=params.r, p=params.p, dklen=dklen,
+        password,
+        salt=salt,
+        n=params.n,
+        r=params.r,
+        p=params.p,
+        dklen=dklen,
         maxmem=params.memory_bytes() + (64 << 20),
     )
 
@@ -74,7 +80,7 @@ def encrypt_keystore(
     key: WalletKey,
     password: str,
     *,
-    scrypt: ScryptParams = ScryptParams(),
+    scrypt: ScryptParams = DEFAULT_SCRYPT,
     salt: bytes | None = None,
     iv: bytes | None = None,
     key_id: str | None = None,
@@ -125,7 +131,7 @@ def keystore_address(document: dict[str, Any]) -> Address | None:
 
 
 def decrypt_keystore(document: dict[str, Any], password: str) -> WalletKey:
-    """The wallet key inside ``document``. WrongPassword on a MAC mismatch, KeystoreError on anything else."""
+    """The wallet key in ``document``: WrongPasswordError on a MAC mismatch, KeystoreError otherwise."""
     if document.get("version") != 3:
         raise KeystoreError("not a version 3 keystore", reason="unsupported_version")
     section = document.get("crypto", document.get("Crypto"))
@@ -138,7 +144,7 @@ def decrypt_keystore(document: dict[str, Any], password: str) -> WalletKey:
     mac = _hex_field(section, "mac", size=32)
     derived = _derive_key(section, password.encode("utf-8"))
     if not hmac.compare_digest(keccak256(derived[16:32] + ciphertext), mac):
-        raise WrongPassword()
+        raise WrongPasswordError()
     try:
         key = WalletKey(_aes_128_ctr(derived[:16], iv, ciphertext))
     except CryptoError as exc:

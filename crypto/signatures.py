@@ -36,7 +36,9 @@ def recover_address(digest: bytes, signature: bytes, *, strict: bool = True) -> 
     if len(digest) != 32:
         raise CryptoError("a signed digest is exactly 32 bytes", reason="bad_digest")
     if len(signature) != SIGNATURE_SIZE:
-        raise CryptoError(f"a signature is {SIGNATURE_SIZE} bytes, got {len(signature)}", reason="bad_signature")
+        raise CryptoError(
+            f"a signature is {SIGNATURE_SIZE} bytes, got {len(signature)}", reason="bad_signature"
+        )
     r = int.from_bytes(signature[:32], "big")
     s = int.from_bytes(signature[32:64], "big")
     v = signature[64]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from crypto.keys import Address, WalletKey
 from crypto.keystore import (
+    DEFAULT_SCRYPT,
     MAX_DOCUMENT_BYTES,
     ScryptParams,
     decrypt_keystore,
@@ -74,9 +75,13 @@ def _read_password_file(path: Path) -> str:
         with path.open("rb") as handle:
             raw = handle.read(MAX_PASSWORD_FILE_BYTES + 1)
     except OSError as exc:
-        raise NodeError(f"cannot read password file {path}: {exc.strerror}", reason="password_source") from exc
+        raise NodeError(
+            f"cannot read password file {path}: {exc.strerror}", reason="password_source"
+        ) from exc
     if len(raw) > MAX_PASSWORD_FILE_BYTES:
-        raise NodeError(f"password file {path} is larger than {MAX_PASSWORD_FILE_BYTES} bytes", reason="password_source")
+        raise NodeError(
+            f"password file {path} is larger than {MAX_PASSWORD_FILE_BYTES} bytes", reason="password_source"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -85,14 +90,18 @@ def _read_password_file(path: Path) -> str:
     return lines[0] if lines else ""
 
 
-def create_keystore(path: Path, key: WalletKey, password: str, *, scrypt: ScryptParams = ScryptParams()) -> None:
+def create_keystore(
+    path: Path, key: WalletKey, password: str, *, scrypt: ScryptParams = DEFAULT_SCRYPT
+) -> None:
     """Write ``key`` encrypted under ``password`` to ``path``, mode 0600. Refuses to replace any file.
 
     The file is written to a temporary name and hard-linked into place, so ``path`` either does not exist
     or holds a complete keystore, and a concurrent creator cannot be overwritten.
     """
     if path.exists() or path.is_symlink():
-        raise NodeError(f"a keystore already exists at {path}; refusing to overwrite it", reason="keystore_exists")
+        raise NodeError(
+            f"a keystore already exists at {path}; refusing to overwrite it", reason="keystore_exists"
+        )
     document = json.dumps(encrypt_keystore(key, password, scrypt=scrypt), indent=2).encode("utf-8")
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -103,15 +112,22 @@ def create_keystore(path: Path, key: WalletKey, password: str, *, scrypt: Scrypt
                 handle.write(document)
                 handle.flush()
                 os.fsync(handle.fileno())
-            os.link(temporary, path)
+            _link_without_replacing(temporary, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temporary.unlink()
         _fsync_directory(path.parent)
-    except FileExistsError as exc:
-        raise NodeError(f"a keystore already exists at {path}; refusing to overwrite it", reason="keystore_exists") from exc
     except OSError as exc:
         raise NodeError(f"cannot write keystore {path}: {exc.strerror}", reason="keystore_io") from exc
+
+
+def _link_without_replacing(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except FileExistsError as exc:
+        raise NodeError(
+            f"a keystore already exists at {target}; refusing to overwrite it", reason="keystore_exists"
+        ) from exc
 
 
 def read_keystore_document(path: Path) -> dict[str, object]:
@@ -133,7 +149,7 @@ def keystore_file_address(path: Path) -> Address | None:
 
 
 def unlock_keystore(path: Path, password: str) -> WalletKey:
-    """Read and decrypt the keystore at ``path``. WrongPassword / KeystoreError / NodeError on failure."""
+    """Read and decrypt the keystore at ``path`` (WrongPasswordError, KeystoreError, NodeError)."""
     return decrypt_keystore(read_keystore_document(path), password)
 
 

@@ -4,7 +4,17 @@ Message types, the wire codec and the state machines of every exchange. Takes by
 ``now``; returns bytes and actions. No trio, no libp2p, no torch, no sockets, no clock reads.
 """
 
-from protocol.codec import IntRange, MaxLen, Message, decode, decode_any, encode, message, registered_types
+from protocol.codec import (
+    ExactLen,
+    IntRange,
+    MaxLen,
+    Message,
+    decode,
+    decode_any,
+    encode,
+    message,
+    registered_types,
+)
 from protocol.envelope import Domain, Envelope, EnvelopeVerifier, FreshnessWindow, Reject, ReplayCache, seal
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
@@ -12,6 +22,7 @@ __all__ = [
     "Domain",
     "Envelope",
     "EnvelopeVerifier",
+    "ExactLen",
     "FreshnessWindow",
     "IntRange",
     "LocalProtocolError",

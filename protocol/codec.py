@@ -2,8 +2,9 @@
 
 A message type is a frozen dataclass registered with ``@message("name", max_bytes=...)``. Its field
 annotations are its schema: ``int``, ``bool``, ``float``, ``str``, ``bytes``, ``Address``, another message
-type, ``tuple[T, ...]`` and ``T | None``, with ``Annotated[..., MaxLen(n)]`` or ``Annotated[int,
-IntRange(lo, hi)]`` bounds. The frame is ``[version, type name, [field values in declaration order]]``.
+type, ``tuple[T, ...]`` and ``T | None``, with ``Annotated[..., MaxLen(n)]``, ``Annotated[bytes,
+ExactLen(n)]`` or ``Annotated[int, IntRange(lo, hi)]`` bounds. The frame is
+``[version, type name, [field values in declaration order]]``.
 
 Decoding is strict, because every frame comes from an untrusted peer: the size cap is checked before
 parsing, msgpack's own limits are set from it, every field's type and bound is checked, and the bytes must
@@ -19,7 +20,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import msgpack
 
@@ -37,6 +38,13 @@ class MaxLen:
     """Upper bound on the length of a ``bytes``, ``str`` or ``tuple`` field."""
 
     limit: int
+
+
+@dataclass(frozen=True)
+class ExactLen:
+    """A ``bytes`` field of exactly this many bytes (hashes, ids, nonces, signatures)."""
+
+    size: int
 
 
 @dataclass(frozen=True)
@@ -111,10 +119,13 @@ class _FloatField(_Field):
 @dataclass
 class _BytesField(_Field):
     max_len: int
+    exact_len: int | None = None
 
     def from_wire(self, value: Any, path: str) -> Any:
         if type(value) is not bytes:
             raise _bad(path, f"expected bytes, got {type(value).__name__}")
+        if self.exact_len is not None and len(value) != self.exact_len:
+            raise _bad(path, f"{len(value)} bytes, expected exactly {self.exact_len}")
         if len(value) > self.max_len:
             raise _bad(path, f"{len(value)} bytes, more than {self.max_len}")
         return value
@@ -193,7 +204,7 @@ _SCHEMAS: dict[type[Message], list[tuple[str, _Field]]] = {}
 def _schema(cls: type[Message]) -> list[tuple[str, _Field]]:
     if cls not in _SCHEMAS:
         hints = typing.get_type_hints(cls, include_extras=True)
-        _SCHEMAS[cls] = [(f.name, _field_for(hints[f.name], cls)) for f in dataclasses.fields(cls)]
+        _SCHEMAS[cls] = [(f.name, _field_for(hints[f.name], cls)) for f in dataclasses.fields(cast(Any, cls))]
     return _SCHEMAS[cls]
 
 
@@ -221,7 +232,8 @@ def _field_for(annotation: Any, owner: type) -> _Field:
     if annotation is float:
         return _FloatField()
     if annotation is bytes:
-        return _BytesField(max_len)
+        exact = next((b.size for b in bounds if isinstance(b, ExactLen)), None)
+        return _BytesField(max_len if exact is None else exact, exact)
     if annotation is str:
         return _StrField(max_len)
     if annotation is Address:
@@ -237,7 +249,7 @@ def message(type_name: str, *, max_bytes: int) -> Callable[[type[M]], type[M]]:
     def register(cls: type[M]) -> type[M]:
         if type_name in _REGISTRY:
             raise TypeError(f"message type {type_name!r} registered twice")
-        if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
             raise TypeError(f"{cls.__name__} must be a frozen dataclass")
         cls.TYPE = type_name
         cls.MAX_BYTES = max_bytes
@@ -267,10 +279,13 @@ def encode(msg: Message) -> bytes:
     try:
         _MessageField(cls).from_wire(body, cls.TYPE)
     except RemoteProtocolError as exc:
-        raise LocalProtocolError(f"refusing to encode an invalid {cls.TYPE}: {exc}", reason=exc.reason) from exc
+        raise LocalProtocolError(
+            f"refusing to encode an invalid {cls.TYPE}: {exc}", reason=exc.reason
+        ) from exc
     if len(frame) > cls.MAX_BYTES:
         raise LocalProtocolError(
-            f"{cls.TYPE} encodes to {len(frame)} bytes, more than its cap of {cls.MAX_BYTES}", reason="too_large"
+            f"{cls.TYPE} encodes to {len(frame)} bytes, more than its cap of {cls.MAX_BYTES}",
+            reason="too_large",
         )
     return frame
 
@@ -279,7 +294,9 @@ def decode(data: bytes, expected: type[M]) -> M:
     """Parse one frame that must hold an ``expected`` message. Only RemoteProtocolError escapes."""
     found = decode_any(data, max_bytes=expected.MAX_BYTES)
     if not isinstance(found, expected):
-        raise RemoteProtocolError(f"expected a {expected.TYPE} message, got {found.TYPE}", reason="wrong_type")
+        raise RemoteProtocolError(
+            f"expected a {expected.TYPE} message, got {found.TYPE}", reason="wrong_type"
+        )
     return found
 
 
@@ -301,7 +318,9 @@ def decode_any(data: bytes, *, max_bytes: int | None = None) -> Message:
         raise RemoteProtocolError(f"unknown message type {str(type_name)[:40]!r}", reason="unknown_type")
     cls = _REGISTRY[type_name]
     if len(data) > cls.MAX_BYTES:
-        raise RemoteProtocolError(f"{type_name} frame of {len(data)} bytes exceeds {cls.MAX_BYTES}", reason="too_large")
+        raise RemoteProtocolError(
+            f"{type_name} frame of {len(data)} bytes exceeds {cls.MAX_BYTES}", reason="too_large"
+        )
     msg: Message = _MessageField(cls).from_wire(body, type_name)
     if encode(msg) != data:
         raise RemoteProtocolError(f"{type_name} frame is not in canonical form", reason="non_canonical")

@@ -26,7 +26,7 @@ from crypto.digests import blake3, keccak256
 from crypto.errors import CryptoError
 from crypto.keys import Address, WalletKey
 from crypto.signatures import SIGNATURE_SIZE, eip191_digest, recover_address
-from protocol.codec import IntRange, MaxLen, Message, decode, encode, message
+from protocol.codec import ExactLen, IntRange, MaxLen, Message, decode, encode, message
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 
 PROTOCOL_NAME = "prime-node"
@@ -89,8 +89,8 @@ class Envelope(Message):
     payload: Annotated[bytes, MaxLen(MAX_PAYLOAD_BYTES)]
     signer: Address
     timestamp_ms: Annotated[int, IntRange(0, (1 << 63) - 1)]
-    nonce: Annotated[bytes, MaxLen(NONCE_SIZE)]
-    signature: Annotated[bytes, MaxLen(SIGNATURE_SIZE)]
+    nonce: Annotated[bytes, ExactLen(NONCE_SIZE)]
+    signature: Annotated[bytes, ExactLen(SIGNATURE_SIZE)]
 
     def signing_digest(self) -> bytes:
         """The 32 bytes whose EIP-191 form is signed."""
@@ -115,13 +115,17 @@ def signing_digest(domain: str, signer: Address, timestamp_ms: int, nonce: bytes
     )
 
 
-def seal(key: WalletKey, domain: Domain, payload: bytes, *, now_ms: int, nonce: bytes | None = None) -> Envelope:
+def seal(
+    key: WalletKey, domain: Domain, payload: bytes, *, now_ms: int, nonce: bytes | None = None
+) -> Envelope:
     """Sign ``payload`` for ``domain`` as of ``now_ms``. A fresh random nonce unless one is given."""
     nonce = os.urandom(NONCE_SIZE) if nonce is None else nonce
     if len(nonce) != NONCE_SIZE:
         raise LocalProtocolError(f"nonce must be {NONCE_SIZE} bytes", reason="bad_nonce")
     if len(payload) > MAX_PAYLOAD_BYTES:
-        raise LocalProtocolError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}", reason="too_large")
+        raise LocalProtocolError(
+            f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD_BYTES}", reason="too_large"
+        )
     signer = key.address
     digest = signing_digest(str(domain), signer, now_ms, nonce, payload)
     signature = key.sign_digest(eip191_digest(digest))
@@ -156,7 +160,9 @@ class ReplayCache:
     def __len__(self) -> int:
         return len(self._seen)
 
-    def check_and_remember(self, signer: Address, nonce: bytes, timestamp_ms: int, *, oldest_valid_ms: int) -> None:
+    def check_and_remember(
+        self, signer: Address, nonce: bytes, timestamp_ms: int, *, oldest_valid_ms: int
+    ) -> None:
         """Record an envelope, or raise RemoteProtocolError if it may be a replay."""
         self._forget_before(oldest_valid_ms)
         if timestamp_ms <= self.floor_ms:
@@ -220,5 +226,6 @@ def check_signature(envelope: Envelope) -> None:
         raise RemoteProtocolError(f"unusable signature: {exc}", reason=Reject.BAD_SIGNATURE) from exc
     if recovered != envelope.signer:
         raise RemoteProtocolError(
-            f"signature is by {recovered}, not the claimed signer {envelope.signer}", reason=Reject.SIGNER_MISMATCH
+            f"signature is by {recovered}, not the claimed signer {envelope.signer}",
+            reason=Reject.SIGNER_MISMATCH,
         )

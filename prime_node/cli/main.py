@@ -16,9 +16,7 @@ import typer
 from prime_node import __version__
 
 # Each module defines ``register(app: typer.Typer) -> None``. Add one line per command module.
-COMMAND_MODULES = (
-    "prime_node.cli.wallet",
-)
+COMMAND_MODULES = ("prime_node.cli.wallet",)
 
 log = logging.getLogger("prime_node")
 
@@ -42,10 +40,14 @@ def build_app() -> typer.Typer:
     @app.callback()
     def root(
         version: Annotated[
-            bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+            bool,
+            typer.Option(
+                "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+            ),
         ] = False,
         log_level: Annotated[
-            str, typer.Option("--log-level", envvar="PRIME_NODE_LOG_LEVEL", help="debug, info, warning or error.")
+            str,
+            typer.Option("--log-level", envvar="PRIME_NODE_LOG_LEVEL", help="debug, info, warning or error."),
         ] = "warning",
     ) -> None:
         logging.basicConfig(

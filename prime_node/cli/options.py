@@ -17,10 +17,13 @@ KeystoreOption = Annotated[
 ]
 PasswordFileOption = Annotated[
     Path | None,
-    typer.Option("--password-file", help="Read the password from the first line of this file.", dir_okay=False),
+    typer.Option(
+        "--password-file", help="Read the password from the first line of this file.", dir_okay=False
+    ),
 ]
 PasswordEnvOption = Annotated[
-    str | None, typer.Option("--password-env", metavar="VAR", help="Read the password from this environment variable.")
+    str | None,
+    typer.Option("--password-env", metavar="VAR", help="Read the password from this environment variable."),
 ]
 NoPasswordOption = Annotated[bool, typer.Option("--no-password", help="Use an empty password.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]

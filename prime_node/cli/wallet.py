@@ -66,7 +66,11 @@ def new(
         create_keystore(path, key, password, scrypt=LIGHT_SCRYPT)
     else:
         create_keystore(path, key, password)
-    summary = {"address": str(key.address), "peer_id": peer_id_from_public_key(key.public_key), "keystore": str(path)}
+    summary = {
+        "address": str(key.address),
+        "peer_id": peer_id_from_public_key(key.public_key),
+        "keystore": str(path),
+    }
     if as_json:
         typer.echo(json.dumps(summary))
     else:
@@ -87,7 +91,11 @@ def show(
 
     path = _keystore_path(keystore)
     key = unlock_keystore(path, PasswordSource(password_file, password_env, no_password).resolve())
-    summary = {"address": str(key.address), "peer_id": peer_id_from_public_key(key.public_key), "keystore": str(path)}
+    summary = {
+        "address": str(key.address),
+        "peer_id": peer_id_from_public_key(key.public_key),
+        "keystore": str(path),
+    }
     if as_json:
         typer.echo(json.dumps(summary))
     else:
@@ -103,12 +111,14 @@ def sign(
     password_env: PasswordEnvOption = None,
     no_password: NoPasswordOption = False,
 ) -> None:
-    """Sign MESSAGE the way Ethereum wallets do (EIP-191 personal_sign); print the 65-byte signature as 0x-hex."""
+    """Sign MESSAGE as Ethereum wallets do (EIP-191 personal_sign); print the 65-byte signature in hex."""
     from crypto.signatures import sign_message
     from prime_node.wallet_store import PasswordSource, unlock_keystore
 
     payload = _message_bytes(message, as_hex)
-    key = unlock_keystore(_keystore_path(keystore), PasswordSource(password_file, password_env, no_password).resolve())
+    key = unlock_keystore(
+        _keystore_path(keystore), PasswordSource(password_file, password_env, no_password).resolve()
+    )
     typer.echo("0x" + sign_message(key, payload).hex())
 
 
