@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+SECONDS=0
 extras=${1:-}
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
@@ -28,3 +29,4 @@ fi
 
 echo "installing prime-node${extras:+[$extras]} ..."
 "${pip[@]}" -e ".${extras:+[$extras]}"
+echo "install: done in ${SECONDS}s"
