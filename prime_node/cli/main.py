@@ -16,7 +16,13 @@ import typer
 from prime_node import __version__
 
 # Each module defines ``register(app: typer.Typer) -> None``. Add one line per command module.
-COMMAND_MODULES = ("prime_node.cli.wallet",)
+COMMAND_MODULES = (
+    "prime_node.cli.wallet",
+    "prime_node.cli.model",
+    "prime_node.cli.trainer",
+    "prime_node.cli.node",
+    "prime_node.cli.validate",
+)
 
 log = logging.getLogger("prime_node")
 

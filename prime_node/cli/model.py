@@ -1,0 +1,100 @@
+"""``prime-node init-model`` (create a tiny model directory) and ``prime-node filter-tasks``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from prime_node.cli.options import JsonOption
+
+
+def register(app: typer.Typer) -> None:
+    app.command("init-model")(init_model)
+    app.command("filter-tasks")(filter_tasks)
+
+
+def init_model(
+    out_dir: Annotated[
+        Path, typer.Argument(help="Directory to write (config, tokenizer, model.safetensors).")
+    ],
+    tiny: Annotated[
+        bool, typer.Option("--tiny", help="Create a tiny Qwen2-style model (the only kind built here).")
+    ] = False,
+    task: Annotated[
+        str, typer.Option("--task", help="Task of the supervised warm-up: arithmetic.")
+    ] = "arithmetic",
+    digits: Annotated[int, typer.Option("--digits", help="Arithmetic: digits per operand.")] = 2,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of initialisation and warm-up.")] = 0,
+    no_warmup: Annotated[
+        bool, typer.Option("--no-warmup", help="Skip the supervised warm-up (random weights).")
+    ] = False,
+    force: Annotated[bool, typer.Option("--force", help="Write into a non-empty directory.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Write a tiny causal LM as a Hugging Face model directory, warmed up on the task unless told not to."""
+    from prime_node.errors import NodeError
+
+    if not tiny:
+        raise NodeError(
+            "only --tiny models can be created; point the run config at any HF model directory",
+            reason="bad_flag",
+        )
+    if task != "arithmetic" and not no_warmup:
+        raise NodeError(
+            f"no supervised warm-up for task {task!r}: only arithmetic has one (use --no-warmup)",
+            reason="bad_flag",
+        )
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise NodeError(f"{out_dir} is not empty (use --force to write into it)", reason="exists")
+    import torch
+
+    from prime_node.ml.model import create_tiny_model, parameter_count, save_model_dir
+    from prime_node.ml.warmup import supervised_warmup
+    from prime_node.tasks.arithmetic import ArithmeticTask
+
+    torch.set_num_threads(1)  # a 0.1M-parameter model is overhead-bound: more threads only contend
+    model, tokenizer = create_tiny_model(seed)
+    summary: dict[str, object] = {"model_dir": str(out_dir), "parameters": parameter_count(model)}
+    if not no_warmup:
+        result = supervised_warmup(model, tokenizer, ArithmeticTask(digits), seed=seed)
+        summary.update(warmup_steps=result.steps, warmup_probe_accuracy=result.probe_accuracy)
+    save_model_dir(model, tokenizer, out_dir)
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        typer.echo("\n".join(f"{key:24} {value}" for key, value in summary.items()))
+
+
+def filter_tasks(
+    config: Annotated[Path, typer.Option("--config", help="Run config naming the task.", dir_okay=False)],
+    model: Annotated[
+        Path | None, typer.Option("--model", help="Model directory (default: model_dir).")
+    ] = None,
+    low: Annotated[float, typer.Option("--lo", help="Keep tasks with pass rate >= this.")] = 0.1,
+    high: Annotated[float, typer.Option("--hi", help="Keep tasks with pass rate <= this.")] = 0.9,
+    samples: Annotated[int, typer.Option("--samples", help="Completions sampled per task.")] = 8,
+    limit: Annotated[
+        int, typer.Option("--limit", help="Examine at most this many training tasks (0: all).")
+    ] = 0,
+    out: Annotated[
+        Path, typer.Option("--out", help="JSONL to write: one kept task per line.", dir_okay=False)
+    ] = Path("filtered.jsonl"),
+) -> None:
+    """Offline pass-rate filter: keep the training tasks whose pass rate under MODEL lies in [lo, hi]."""
+    from prime_node.config import load_run_config
+    from prime_node.errors import NodeError
+    from prime_node.tasks.filter import filter_by_pass_rate
+
+    run = load_run_config(config)
+    model_dir = model or run.model_dir
+    if model_dir is None:
+        raise NodeError("no model: pass --model or set model_dir in the run config", reason="bad_config")
+    if not 0.0 <= low <= high <= 1.0:
+        raise NodeError("need 0 <= --lo <= --hi <= 1", reason="bad_flag")
+    kept, seen = filter_by_pass_rate(
+        run, model_dir, low=low, high=high, samples=samples, limit=limit, out=out
+    )
+    typer.echo(f"kept {kept} of {seen} tasks -> {out}")

@@ -1,0 +1,200 @@
+"""The run configuration: one TOML file describes a training run for every role.
+
+Loading order: the TOML file, then environment variables ``PRIME_NODE_RUN__<FIELD>`` (nested fields
+joined by ``__``, e.g. ``PRIME_NODE_RUN__TASK__KIND=math``), then explicit overrides from CLI flags.
+Any invalid value is reported as one line naming the field: ``run.toml: grpo field eps_low: ...``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from prime_node.errors import NodeError
+
+ENV_PREFIX = "PRIME_NODE_RUN__"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class TaskConfig(_Strict):
+    """Which verifiable task the run trains on."""
+
+    kind: Literal["arithmetic", "math", "code"] = "arithmetic"
+    """Task family: procedural addition (the demo), exact-answer math, or Python code with tests."""
+    path: Path | None = None
+    """JSONL or parquet file of tasks (math: question/answer; code: prompt/tests). Unused by arithmetic."""
+    digits: int = Field(2, ge=1, le=6)
+    """Arithmetic: digits per operand."""
+    reverse_answer: bool = True
+    """Arithmetic: write the sum least-significant digit first (learnable by tiny models)."""
+    code_timeout_s: float = Field(5.0, gt=0, le=120)
+    """Code: wall-clock limit of one test run; a timeout scores 0."""
+    code_memory_mb: int = Field(512, ge=64, le=65536)
+    """Code: address-space limit of one test run, in MiB."""
+
+    @model_validator(mode="after")
+    def _needs_path(self) -> TaskConfig:
+        if self.kind != "arithmetic" and self.path is None:
+            raise ValueError(f"task kind {self.kind!r} needs a path to its task file")
+        return self
+
+
+class LengthRewardConfig(_Strict):
+    """Optional reward toward a target completion length, added to the checker's score."""
+
+    coef: float = Field(0.0, ge=0, le=10)
+    """Weight of the bonus coef * max(0, 1 - |n - target| / target); 0 disables it."""
+    target_tokens: int = Field(0, ge=0, le=1 << 20)
+    """Completion length (tokens) that earns the full bonus."""
+
+
+class RunConfig(_Strict):
+    """Everything that defines a training run. Every role of every node reads the same file."""
+
+    run_id: str = Field("demo", pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
+    """Name of the run: part of every signed message's domain and of the DHT key."""
+    model_dir: Path | None = None
+    """Local Hugging Face-format model directory to start from (config, tokenizer, safetensors)."""
+    output_dir: Path = Path("runs/demo")
+    """Where the trainer writes checkpoints (one HF directory per step) and its rollout log."""
+    trainer_address: str | None = Field(None, pattern=r"^0x[0-9a-fA-F]{40}$")
+    """Ethereum address of the run's trainer key; only it may publish checkpoints."""
+    task: TaskConfig = Field(default_factory=lambda: TaskConfig.model_validate({}))
+    """The verifiable task."""
+    length_reward: LengthRewardConfig = Field(default_factory=lambda: LengthRewardConfig.model_validate({}))
+    """Optional length shaping of the reward."""
+
+    group_size: int = Field(8, ge=2, le=1024)
+    """Completions sampled per task (G); advantages are normalised within each group."""
+    prompts_per_step: int = Field(16, ge=1, le=4096)
+    """Tasks (groups) per rollout batch and per optimizer step."""
+    micro_batch_samples: int = Field(256, ge=1, le=65536)
+    """Samples per forward/backward chunk in the trainer (gradient accumulation beyond it)."""
+    max_new_tokens: int = Field(8, ge=1, le=16384)
+    """Longest completion, in tokens."""
+    temperature: float = Field(0.7, ge=0, le=100)
+    """Sampling temperature of rollouts (part of the replayable sampling rule)."""
+    max_steps: int = Field(100, ge=0)
+    """Optimizer steps to run (the trainer stops there)."""
+
+    learning_rate: float = Field(5e-4, gt=0, le=1)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    """PPO clip: the ratio may fall to 1 - eps_low before its gradient is cut."""
+    eps_high: float = Field(0.28, ge=0, le=10)
+    """PPO clip: the ratio may rise to 1 + eps_high before its gradient is cut."""
+    delta: float = Field(4.0, gt=1, le=100)
+    """Two-sided clipping: for negative advantages the ratio is capped at delta."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty (k3 estimator) toward the initial model; 0 disables it."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus; 0 disables it."""
+
+    async_level: int = Field(2, ge=0, le=16)
+    """Staleness bound: rollouts from policy step >= current - async_level are accepted."""
+    local_inference: Literal["thread", "process"] = "process"
+    """--local: generate in a child process (no GIL shared with training: measured faster), or in a
+    thread of the trainer process."""
+    seed: int = Field(0, ge=0, lt=1 << 63)
+    """Run seed: input of the task schedule and of every sample seed."""
+    torch_seed: int = Field(0, ge=0, lt=1 << 63)
+    """Seed of torch's generator in the trainer (initialisation of anything random)."""
+    threads: int = Field(0, ge=0, le=1024)
+    """torch intra-op threads per process; 0 picks one per pipeline stage (or all cores if synchronous)."""
+    eval_every: int = Field(0, ge=0)
+    """Greedy held-out evaluation every this many steps (0: only at start and end)."""
+    eval_tasks: int = Field(200, ge=0)
+    """Held-out tasks per evaluation."""
+    keep_checkpoints: int = Field(0, ge=0)
+    """Checkpoints kept on disk; never fewer than async_level + 1 (stale batches need their policy)."""
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError("each beta must lie in [0, 1)")
+        return value
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.group_size * self.prompts_per_step
+
+    @property
+    def checkpoints_to_keep(self) -> int:
+        return max(self.keep_checkpoints, self.async_level + 1)
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: str) -> None:
+    for key in path[:-1]:
+        node = tree.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise NodeError(
+                f"environment override {'.'.join(path)}: {key} is not a section", reason="bad_config"
+            )
+        tree = node
+    tree[path[-1]] = value
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in environ.items():
+        if name.startswith(ENV_PREFIX) and len(name) > len(ENV_PREFIX):
+            _set_path(tree, name[len(ENV_PREFIX) :].lower().split("__"), value)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def validate_run_config(data: Mapping[str, Any], *, source: str) -> RunConfig:
+    try:
+        return RunConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "(root)"
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise NodeError(f"{source}: field {where}: {first['msg']}{more}", reason="bad_config") from exc
+
+
+def load_run_config(
+    path: Path | None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> RunConfig:
+    """Read a TOML run config, apply env overrides then ``overrides``; NodeError on any problem."""
+    data: dict[str, Any] = {}
+    source = str(path) if path is not None else "run config"
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise NodeError(
+                f"cannot read run config {path}: {exc.strerror or exc}", reason="bad_config"
+            ) from exc
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise NodeError(f"{path}: not valid TOML: {exc}", reason="bad_config") from exc
+    data = _merge(data, _env_overrides(os.environ if environ is None else environ))
+    data = _merge(data, overrides or {})
+    return validate_run_config(data, source=source)

@@ -1,0 +1,52 @@
+"""The per-process entry point torchrun starts for ``run-trainer --nproc N --local``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from prime_node.errors import NodeError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prime_node.ml.dist_entry")
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--model-dir")
+    parser.add_argument("--output-dir")
+    parser.add_argument("--max-steps", type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from prime_node.config import load_run_config
+    from prime_node.ml.distributed import init_from_env, shutdown
+    from prime_node.ml.local_run import run_local
+
+    overrides = {
+        key: value
+        for key, value in (
+            ("model_dir", args.model_dir),
+            ("output_dir", args.output_dir),
+            ("max_steps", args.max_steps),
+        )
+        if value is not None
+    }
+    try:
+        config = load_run_config(args.config, overrides=overrides)
+        dist = init_from_env()
+        try:
+            result = run_local(config, dist=dist)
+        finally:
+            shutdown()
+    except NodeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if dist.is_main:
+        for m in result.steps:
+            print(json.dumps({"step": m.step, "reward": round(m.reward_mean, 4), "loss": round(m.loss, 5)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""torch.distributed for the trainer: process-group setup under torchrun, and the few collectives used.
+
+Data parallelism by hand (not DDP): every rank holds the same weights and the same admitted batch,
+computes gradients on its strided shard, and gradients are summed with all_reduce. Because the loss is
+normalised by the whole batch's token count, the sum equals the one-process gradient. gloo on CPU,
+NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_gradients(self, model: Any) -> None:
+        import torch.distributed as dist
+
+        for param in model.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+    def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
+        import torch.distributed as dist
+
+        keys = sorted(values)
+        tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return dict(zip(keys, tensor.tolist(), strict=True))
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank (others pass None)."""
+        import torch.distributed as dist
+
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=0)
+        if self.is_main and data is not None:
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        else:
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(buffer, src=0)
+        return bytes(buffer.cpu().numpy().tobytes())
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def init_from_env() -> DistInfo:
+    """Join the process group torchrun describes in the environment; a single process needs none."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    device = "cpu"
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

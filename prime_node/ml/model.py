@@ -1,0 +1,118 @@
+"""Tiny Qwen2-style causal LMs built from a config, and loading any model from a local HF directory.
+
+A model directory is the Hugging Face layout (config.json, generation_config.json, tokenizer.json,
+model.safetensors): what ``init-model --tiny`` writes is loaded by exactly the code that would load a
+real checkpoint. Weights are only ever read from safetensors, never from pickle files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prime_node.errors import NodeError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shape of a tiny model. The default (~0.12M parameters) learns two-digit addition on 2 cores."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_positions: int = 512
+
+
+def tiny_config(vocab_size: int, eos_token_id: int, pad_token_id: int, spec: TinySpec = TinySpec()) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        use_sliding_window=False,
+    )
+
+
+def create_tiny_model(seed: int, spec: TinySpec = TinySpec()) -> tuple[Any, Any]:
+    """A freshly initialised (model, tokenizer) pair; deterministic in ``seed``."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from prime_node.ml.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    config = tiny_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, spec)
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.eval()  # type: ignore[no-untyped-call]
+    return model, tokenizer
+
+
+def save_model_dir(model: Any, tokenizer: Any, out_dir: Path) -> None:
+    """Write an HF-format directory (safetensors weights). Overwrites files of the same name."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def load_model(model_dir: Path, *, device: str = "cpu") -> Any:
+    """Load a causal LM from a local HF directory in float32, refusing pickle weight files."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    check_model_dir(model_dir)
+    try:
+        model: Any = AutoModelForCausalLM.from_pretrained(  # type: ignore[arg-type, unused-ignore]
+            str(model_dir), local_files_only=True, use_safetensors=True, dtype="float32"
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise NodeError(f"cannot load a model from {model_dir}: {exc}", reason="bad_model_dir") from exc
+    model.to(device)
+    model.eval()
+    return model
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """A clear NodeError when a directory is not a loadable model (before transformers' long errors)."""
+    if not model_dir.is_dir():
+        raise NodeError(f"model directory {model_dir} does not exist", reason="bad_model_dir")
+    if not (model_dir / "config.json").is_file():
+        raise NodeError(
+            f"{model_dir} has no config.json: not a Hugging Face model directory", reason="bad_model_dir"
+        )
+    if not any(model_dir.glob("*.safetensors")):
+        raise NodeError(
+            f"{model_dir} has no .safetensors weights (pickle weights are refused)", reason="bad_model_dir"
+        )
+
+
+def parameter_count(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def state_dict_copy(model: Any) -> dict[str, torch.Tensor]:
+    """A detached copy of the weights (tied weights appear under each name)."""
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}

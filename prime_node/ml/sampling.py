@@ -1,0 +1,110 @@
+"""Seeded, replayable token sampling: the exact rule a validator re-applies to check every token.
+
+Rule (version 1). For a sample with 63-bit seed ``s``, completion position ``t`` (0 for the first
+generated token), vocabulary index ``v`` and temperature ``T``:
+
+    mix(x)   = splitmix64 finaliser on u64: x ^= x>>30; x *= 0xBF58476D1CE4E5B9; x ^= x>>27;
+               x *= 0x94D049BB133111EB; x ^= x>>31           (all arithmetic mod 2^64)
+    key(s,t) = mix(s ^ mix(t + 0x9E3779B97F4A7C15))
+    u(s,t,v) = ((mix(key(s,t) + (v + 1) * 0x9E3779B97F4A7C15) >> 11) + 0.5) / 2^53      in (0, 1)
+    g(s,t,v) = -ln(-ln(u(s,t,v)))                                                       (float64)
+    token    = argmax_v ( float64(logits_v) / T + g(s,t,v) )      if T > 0
+             = argmax_v ( logits_v )                               if T == 0 (greedy)
+
+Ties go to the lowest index. This is Gumbel-max sampling, so a token is drawn from softmax(logits / T),
+yet the choice is a pure function of (logits, s, t, T): anyone holding the logits replays it. The
+reported log-prob is ``log_softmax(logits / T)[token]`` (``T == 0`` uses T = 1). The logits are those
+of the last position fed to the model, i.e. the position that predicts completion token ``t``.
+
+A validator recomputes logits by one prefill pass; they differ from KV-cache generation by float
+rounding, so it checks ``replay_margin(...) <= tolerance`` rather than exact equality. The noise is
+computed with numpy's wrapping uint64 arithmetic; any implementation of the rule above agrees bit for
+bit on the noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+RULE_VERSION = 1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_MASK63 = (1 << 63) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return cast(np.ndarray, x ^ (x >> np.uint64(31)))
+
+
+def gumbel_noise(seeds: Sequence[int], positions: Sequence[int], vocab_size: int) -> np.ndarray:
+    """float64 array [len(seeds), vocab_size]: the noise g(seed_i, position_i, v) of the rule."""
+    with np.errstate(over="ignore"):
+        s = np.asarray([seed & _MASK63 for seed in seeds], dtype=np.uint64)
+        t = np.asarray(positions, dtype=np.uint64)
+        key = _mix(s ^ _mix(t + _GOLDEN))
+        v = np.arange(1, vocab_size + 1, dtype=np.uint64) * _GOLDEN
+        bits = _mix(key[:, None] + v[None, :]) >> np.uint64(11)
+    u = (bits.astype(np.float64) + 0.5) / float(1 << 53)
+    noise: np.ndarray = -np.log(-np.log(u))
+    return noise
+
+
+def _scores(
+    logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int], temperature: float
+) -> torch.Tensor:
+    import torch
+
+    scaled = logits.detach().to("cpu", torch.float64)
+    if temperature == 0:
+        return scaled
+    noise = torch.from_numpy(gumbel_noise(seeds, positions, scaled.shape[-1]))
+    return scaled / temperature + noise
+
+
+def choose_tokens(
+    logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int], temperature: float
+) -> torch.Tensor:
+    """The rule's token for each row of ``logits`` [batch, vocab]; a LongTensor [batch] on CPU."""
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    return _scores(logits, seeds, positions, temperature).argmax(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T)[token] per row, float32 (T == 0 counts as 1)."""
+    import torch
+
+    scale = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / scale, dim=-1)
+    return logp.gather(-1, tokens.to(logits.device).view(-1, 1)).squeeze(-1)
+
+
+def replay_margin(
+    logits: torch.Tensor,
+    seeds: Sequence[int],
+    positions: Sequence[int],
+    temperature: float,
+    tokens: Sequence[int],
+) -> torch.Tensor:
+    """How far each claimed token's score is below the best score (0 when the rule picks it exactly).
+
+    A validator recomputes ``logits`` by prefill and accepts a token whose margin is at most a small
+    tolerance (float noise between KV-cache generation and prefill), refuses one with a larger margin.
+    """
+    import torch
+
+    scores = _scores(logits, seeds, positions, temperature)
+    claimed = scores.gather(-1, torch.as_tensor(list(tokens), dtype=torch.long).view(-1, 1)).squeeze(-1)
+    margin: torch.Tensor = scores.max(dim=-1).values - claimed
+    return margin

@@ -1,0 +1,316 @@
+"""The GRPO trainer: admission of rollout batches and the optimizer step around the pure loss.
+
+Admission (``prepare``) trusts nothing in a batch but its tokens: the policy step must be within
+``async_level`` of the trainer's, every task id must exist, every prompt must be exactly the task's
+prompt, and the reward of every completion is recomputed with the task's checker. Groups whose rewards
+are all equal carry no advantage and are dropped before any forward pass.
+
+The optimizer step (``train_step``) recomputes the old log-probs itself under the policy version that
+generated the batch (kept in memory, or read back from its checkpoint), computes the clipped GRPO loss
+over micro-batches normalised by the batch's total completion tokens, all-reduces gradients across
+torch.distributed ranks (each rank takes a strided shard of the samples), clips the global gradient
+norm and applies AdamW.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prime_node.config import RunConfig
+from prime_node.errors import NodeError
+from prime_node.ml.checkpoint import (
+    list_checkpoints,
+    load_weights_into,
+    model_weights,
+    read_weights,
+    step_dir,
+)
+from prime_node.ml.distributed import DistInfo
+from prime_node.ml.evaluation import completion_text, encode_prompt
+from prime_node.ml.grpo import group_advantages, grpo_loss
+from prime_node.tasks.base import TaskSource, length_bonus
+from protocol.rollouts import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+class RejectedBatchError(NodeError):
+    """A rollout batch the trainer refuses (``reason`` says why)."""
+
+
+@dataclass
+class Prepared:
+    """An admitted batch: the samples of its informative groups, ready for the loss."""
+
+    policy_step: int
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    advantages: list[float]
+    reward_mean: float
+    groups_kept: int
+    groups_dropped: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s) - p for s, p in zip(self.sequences, self.prompt_lengths, strict=True))
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    policy_step: int
+    reward_mean: float
+    groups_kept: int
+    groups_dropped: int
+    loss: float
+    kl: float
+    entropy: float
+    clipped_fraction: float
+    grad_norm: float
+
+
+def batch_rewards(batch: RolloutBatch, task: TaskSource, tokenizer: Any, config: RunConfig) -> list[float]:
+    """Rewards recomputed from the completions alone (the checker plus the optional length bonus)."""
+    eos = tokenizer.eos_token_id
+    rewards = []
+    for sample in batch.samples:
+        tokens = sample.completion_tokens()
+        text = completion_text(tokenizer, tokens, eos)
+        score = task.score(sample.task_id, text)
+        rewards.append(
+            score
+            + length_bonus(
+                len(tokens), target=config.length_reward.target_tokens, coef=config.length_reward.coef
+            )
+        )
+    return rewards
+
+
+def prepare(
+    batch: RolloutBatch, *, current_step: int, task: TaskSource, tokenizer: Any, config: RunConfig
+) -> Prepared:
+    """Admit ``batch`` for the trainer at ``current_step`` or raise RejectedBatchError."""
+    if batch.run_id != config.run_id:
+        raise RejectedBatchError(
+            f"batch is for run {batch.run_id!r}, not {config.run_id!r}", reason="wrong_run"
+        )
+    if batch.policy_step > current_step:
+        raise RejectedBatchError(
+            f"policy step {batch.policy_step} is ahead of the trainer ({current_step})", reason="future_step"
+        )
+    if batch.policy_step < current_step - config.async_level:
+        raise RejectedBatchError(
+            f"policy step {batch.policy_step} is older than step {current_step} minus async_level",
+            reason="stale",
+        )
+    if batch.group_size != config.group_size:
+        raise RejectedBatchError(
+            f"group size {batch.group_size}, run uses {config.group_size}", reason="wrong_group_size"
+        )
+    if batch.temperature != config.temperature:
+        raise RejectedBatchError(
+            f"temperature {batch.temperature}, run uses {config.temperature}", reason="wrong_temperature"
+        )
+    vocab = len(tokenizer)
+    prompts: dict[int, list[int]] = {}  # one encoding per task, not per sample
+    for sample in batch.samples:
+        if sample.task_id not in prompts:
+            try:
+                prompts[sample.task_id] = encode_prompt(tokenizer, task.prompt(sample.task_id))
+            except NodeError as exc:
+                raise RejectedBatchError(str(exc), reason="unknown_task") from exc
+        expected = prompts[sample.task_id]
+        if list(sample.prompt_tokens()) != expected:
+            raise RejectedBatchError(
+                f"sample of task {sample.task_id} does not carry the task's prompt", reason="wrong_prompt"
+            )
+        completion = sample.completion_tokens()
+        if len(completion) > config.max_new_tokens or max(completion) >= vocab:
+            raise RejectedBatchError(
+                "completion too long or with a token outside the vocabulary", reason="bad_completion"
+            )
+    rewards = torch.tensor(batch_rewards(batch, task, tokenizer, config), dtype=torch.float64)
+    advantages = group_advantages(rewards.view(batch.groups, batch.group_size))
+    prepared = Prepared(batch.policy_step, [], [], [], float(rewards.mean()), 0, 0)
+    for g in range(batch.groups):
+        if bool((advantages[g] == 0).all()):
+            prepared.groups_dropped += 1
+            continue
+        prepared.groups_kept += 1
+        for sample, advantage in zip(batch.group(g), advantages[g].tolist(), strict=True):
+            prompt = list(sample.prompt_tokens())
+            prepared.sequences.append(prompt + list(sample.completion_tokens()))
+            prepared.prompt_lengths.append(len(prompt))
+            prepared.advantages.append(advantage)
+    return prepared
+
+
+def _micro_batch(
+    sequences: Sequence[list[int]], prompt_lengths: Sequence[int], pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids [B, L-1], targets [B, L-1] and completion-token mask [B, L-1]."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, (seq, plen) in enumerate(zip(sequences, prompt_lengths, strict=True)):
+        ids[i, : len(seq)] = torch.as_tensor(seq)
+        mask[i, plen : len(seq)] = True
+    return ids[:, :-1], ids[:, 1:], mask[:, 1:]
+
+
+class PolicyHistory:
+    """Weights of recent policy versions, for recomputing old log-probs of slightly stale batches."""
+
+    def __init__(self, keep: int, checkpoint_root: Path) -> None:
+        self.keep = keep
+        self.root = checkpoint_root
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    def add(self, step: int, weights: dict[str, torch.Tensor]) -> None:
+        self._weights[step] = weights
+        for old in sorted(self._weights)[: -self.keep]:
+            del self._weights[old]
+
+    def get(self, step: int) -> dict[str, torch.Tensor]:
+        if step not in self._weights:
+            path = step_dir(self.root, step)
+            if not (path / "model.safetensors").is_file():
+                raise NodeError(
+                    f"weights of policy step {step} are neither in memory nor in {path}",
+                    reason="missing_policy",
+                )
+            self._weights[step] = read_weights(path)
+        return self._weights[step]
+
+
+class GRPOTrainer:
+    """The model, its optimizer and one GRPO step at a time (side effects live in the caller's loop)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        model: Any,
+        tokenizer: Any,
+        *,
+        checkpoint_root: Path,
+        dist: DistInfo,
+        step: int = 0,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dist = dist
+        self.step = step
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.learning_rate,
+            betas=config.adam_betas,
+            weight_decay=config.weight_decay,
+        )
+        self.history = PolicyHistory(config.async_level + 1, checkpoint_root)
+        self.history.add(step, model_weights(model))
+        self._old_model = copy.deepcopy(model).eval()
+        self._old_model_step: int | None = None
+        self._reference = copy.deepcopy(model).eval() if config.kl_coef > 0 else None
+        self.checkpoint_root = checkpoint_root
+
+    def _old_logp(self, step: int, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self._old_model_step != step:
+            load_weights_into(self._old_model, self.history.get(step))
+            self._old_model_step = step
+        return self._token_logp(self._old_model, ids, targets)
+
+    def _token_logp(self, model: Any, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        scale = self.config.temperature if self.config.temperature > 0 else 1.0
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.float() / scale
+            return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def train_step(self, prepared: Prepared) -> StepMetrics:
+        """One optimizer step on an admitted batch; advances ``self.step`` by one."""
+        cfg = self.config
+        totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0}
+        normalizer = float(prepared.completion_tokens)
+        grad_norm = 0.0
+        self.optimizer.zero_grad(set_to_none=False)
+        if prepared.sequences:
+            self.model.train()
+            mine = list(range(self.dist.rank, len(prepared.sequences), self.dist.world_size))
+            for start in range(0, len(mine), cfg.micro_batch_samples):
+                chunk = mine[start : start + cfg.micro_batch_samples]
+                ids, targets, mask = _micro_batch(
+                    [prepared.sequences[i] for i in chunk],
+                    [prepared.prompt_lengths[i] for i in chunk],
+                    self.tokenizer.pad_token_id,
+                )
+                device = next(self.model.parameters()).device
+                ids, targets, mask = ids.to(device), targets.to(device), mask.to(device)
+                advantages = torch.tensor(
+                    [prepared.advantages[i] for i in chunk], dtype=torch.float32, device=device
+                )
+                logits = self.model(input_ids=ids).logits
+                if prepared.policy_step == self.step:
+                    # Same weights: the no-grad recomputation would give these exact numbers.
+                    scale = cfg.temperature if cfg.temperature > 0 else 1.0
+                    old = torch.log_softmax(logits.detach().float() / scale, -1)
+                    old = old.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+                else:
+                    old = self._old_logp(prepared.policy_step, ids, targets)
+                ref = self._token_logp(self._reference, ids, targets) if self._reference is not None else None
+                parts = grpo_loss(
+                    logits,
+                    targets,
+                    old,
+                    advantages,
+                    mask,
+                    normalizer=normalizer,
+                    temperature=cfg.temperature,
+                    eps_low=cfg.eps_low,
+                    eps_high=cfg.eps_high,
+                    delta=cfg.delta,
+                    ref_logp=ref,
+                    kl_coef=cfg.kl_coef,
+                    entropy_coef=cfg.entropy_coef,
+                )
+                parts.loss.backward()  # type: ignore[no-untyped-call]
+                totals["loss"] += float(parts.loss.detach())
+                totals["kl"] += parts.kl
+                totals["entropy"] += parts.entropy
+                totals["clipped"] += parts.clipped_fraction
+            self.model.eval()
+        if self.dist.world_size > 1:
+            self.dist.all_reduce_gradients(self.model)
+            totals = self.dist.sum_floats(totals)
+        if prepared.sequences:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+            else:
+                log.warning("step %d: non-finite gradient norm, update skipped", self.step)
+        self.step += 1
+        self.history.add(self.step, model_weights(self.model))
+        return StepMetrics(
+            step=self.step,
+            policy_step=prepared.policy_step,
+            reward_mean=prepared.reward_mean,
+            groups_kept=prepared.groups_kept,
+            groups_dropped=prepared.groups_dropped,
+            loss=totals["loss"],
+            kl=totals["kl"],
+            entropy=totals["entropy"],
+            clipped_fraction=totals["clipped"],
+            grad_norm=grad_norm,
+        )
+
+
+def latest_checkpoint_step(checkpoint_root: Path) -> int | None:
+    found = list_checkpoints(checkpoint_root)
+    return found[-1].step if found else None

@@ -1,0 +1,390 @@
+"""The node: one trio nursery running the host, heartbeats, membership, discovery and the status API.
+
+``Node.run`` is started with ``nursery.start``; it reports ready once the host listens, the heartbeat
+topic is subscribed and node.json is written, and it stops when its nursery is cancelled (SIGINT/SIGTERM
+in the CLI), marking node.json stopped on the way out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from crypto.identity import peer_id_from_public_key
+from crypto.keys import Address, WalletKey
+from prime_node import __version__
+from prime_node.errors import NodeError
+from prime_node.node.clock import NodeClock
+from prime_node.node.gossip import Delivered, GossipService
+from prime_node.node.heartbeats import DirectHeartbeats
+from prime_node.node.metrics import NodeMetrics
+from prime_node.node.peers import PeerPolicy
+from prime_node.node_config import NodeConfig
+from prime_node.p2p.interface import P2PHost, PeerAddresses
+from protocol.codec import encode
+from protocol.envelope import Envelope
+from protocol.errors import RemoteProtocolError
+from protocol.membership import Membership, MembershipConfig, PeerState, StateChanged
+from protocol.peer_record import HardwareSummary, PeerRecord, parse_peer_record
+from protocol.scoring import Offence, ScoringConfig
+
+log = logging.getLogger(__name__)
+HEARTBEAT_TOPIC = "heartbeats"
+NODE_FILE = "node.json"
+BOOTSTRAP_BACKOFF_MAX = 30.0
+PROVIDE_REFRESH = 600.0
+GOSSIP_RECORD_EVERY = 5
+DIAL_YIELD_DELAY = 3.0
+DISCOVERY_WARMUP = 60.0
+
+HostOpener = Callable[[WalletKey], AbstractAsyncContextManager[P2PHost]]
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    address: str
+    peer_id: str
+
+
+def local_hardware() -> HardwareSummary:
+    """A cheap summary for heartbeats (the full probe belongs to the roles work)."""
+    cores = os.cpu_count() or 0
+    try:
+        ram_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+    except (ValueError, OSError, AttributeError):
+        ram_mib = 0
+    return HardwareSummary(
+        cpu_cores=min(cores, 1 << 16), ram_mib=min(ram_mib, (1 << 31) - 1), gpu_count=0, gpu_vram_mib=0
+    )
+
+
+class Node:
+    def __init__(
+        self,
+        config: NodeConfig,
+        key: WalletKey,
+        open_host: HostOpener,
+        *,
+        scoring: ScoringConfig | None = None,
+        write_node_file: bool = True,
+        serve_api: bool = True,
+    ) -> None:
+        self.config = config
+        self.key = key
+        self.open_host = open_host
+        self.scoring = scoring or ScoringConfig()
+        self.write_node_file = write_node_file
+        self.serve_api = serve_api
+        self.identity = NodeIdentity(str(key.address), peer_id_from_public_key(key.public_key))
+        self.metrics = NodeMetrics()
+        self.membership: Membership[PeerRecord] = Membership(
+            MembershipConfig(config.unhealthy_window, config.dead_window, max(120.0, 4 * config.dead_window))
+        )
+        self.hardware = local_hardware()
+        self.versions_held: tuple[int, ...] = ()
+        self.load_percent = 0
+        self.api_url: str | None = None
+        self.bootstrapped = trio.Event()
+        self._latency_ms: dict[str, int] = {}
+        self._dialing: set[str] = set()
+        self._host: P2PHost | None = None
+        self._clock: NodeClock | None = None
+        self._policy: PeerPolicy | None = None
+        self._gossip: GossipService | None = None
+        self._direct: DirectHeartbeats | None = None
+
+    # -- accessors for the status API and tests ---------------------------------------------------------
+
+    @property
+    def host(self) -> P2PHost:
+        if self._host is None:
+            raise NodeError("the node is not running", reason="not_running")
+        return self._host
+
+    @property
+    def gossip(self) -> GossipService:
+        if self._gossip is None:
+            raise NodeError("the node is not running", reason="not_running")
+        return self._gossip
+
+    @property
+    def direct_heartbeats(self) -> DirectHeartbeats:
+        if self._direct is None:
+            raise NodeError("the node is not running", reason="not_running")
+        return self._direct
+
+    @property
+    def policy(self) -> PeerPolicy:
+        if self._policy is None:
+            raise NodeError("the node is not running", reason="not_running")
+        return self._policy
+
+    @property
+    def is_running(self) -> bool:
+        return self._host is not None and self._policy is not None
+
+    def now(self) -> float:
+        """trio's clock while running (membership times are on it), else 0."""
+        return self._clock.now() if self._clock is not None else 0.0
+
+    def peers_in(self, state: PeerState) -> list[str]:
+        return self.membership.in_state(state)
+
+    def uptime(self) -> float:
+        return self._clock.uptime() if self._clock else 0.0
+
+    def record(self) -> PeerRecord:
+        return PeerRecord(
+            address=self.key.address,
+            peer_id=self.identity.peer_id,
+            role=self.config.role,
+            multiaddrs=tuple(self.advertised_multiaddrs()[:8]),
+            hardware=self.hardware,
+            versions_held=self.versions_held,
+            load_percent=self.load_percent,
+            software_version=__version__,
+        )
+
+    def advertised_multiaddrs(self) -> list[str]:
+        suffix = f"/p2p/{self.identity.peer_id}"
+        if self.config.announce:
+            return [a if a.endswith(suffix) else a + suffix for a in self.config.announce]
+        addrs = self.host.listen_multiaddrs()
+        loopback = [a for a in addrs if a.startswith("/ip4/127.")]
+        return [a for a in addrs if not a.startswith("/ip4/0.0.0.0/")] or loopback or addrs
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self._clock = clock = NodeClock()
+        try:
+            async with self.open_host(self.key) as host, trio.open_nursery() as nursery:
+                self._host = host
+                self._policy = PeerPolicy(host, clock, self.metrics, nursery, self.scoring)
+                self._gossip = GossipService(
+                    host, self.key, self.config.run_id, clock, self.metrics, self._policy, nursery
+                )
+                await self._gossip.subscribe(HEARTBEAT_TOPIC, self._on_gossiped_record)
+                self._direct = DirectHeartbeats(
+                    host,
+                    self.key,
+                    self.config.run_id,
+                    clock,
+                    self.metrics,
+                    self._policy,
+                    nursery,
+                    self._on_direct_heartbeat,
+                )
+                if self.serve_api:
+                    from prime_node.status.server import serve_status
+
+                    self.api_url = await nursery.start(serve_status, self, self.config.api_port)
+                self.metrics.event(
+                    clock.uptime(), "start", f"listening on {', '.join(self.advertised_multiaddrs())}"
+                )
+                nursery.start_soon(self._heartbeat_loop)
+                nursery.start_soon(self._membership_loop)
+                nursery.start_soon(self._discovery_loop)
+                for multiaddr in self.config.bootstrap:
+                    nursery.start_soon(self._bootstrap_loop, multiaddr)
+                if not self.config.bootstrap:
+                    self.bootstrapped.set()
+                elif self.config.bootstrap_timeout > 0:
+                    nursery.start_soon(self._bootstrap_deadline)
+                if self.write_node_file:
+                    self._write_node_file("running")
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._host = None
+            if self.write_node_file:
+                with trio.CancelScope(shield=True):
+                    self._write_node_file("stopped")
+
+    async def _heartbeat_loop(self) -> None:
+        """Each interval: the record directly to every connected peer; every few, also on gossip."""
+        beats = 0
+        while True:
+            payload = encode(self.record())
+            self.direct_heartbeats.beat(payload)
+            if beats % GOSSIP_RECORD_EVERY == 0:
+                try:
+                    await self.gossip.publish(HEARTBEAT_TOPIC, payload)
+                except NodeError as exc:
+                    log.debug("peer record not gossiped: %s", exc)
+            beats += 1
+            await trio.sleep(self.config.heartbeat_interval)
+
+    async def _on_gossiped_record(self, message: Delivered) -> None:
+        self._accept_record(message.origin_peer_id, message.origin, message.payload, message.timestamp_ms)
+
+    async def _on_direct_heartbeat(self, sender: str, envelope: Envelope) -> None:
+        self._accept_record(sender, envelope.signer, envelope.payload, envelope.timestamp_ms)
+
+    def _accept_record(self, sender: str, signer: Address, payload: bytes, timestamp_ms: int) -> None:
+        """A record whose envelope is verified and whose signer is ``sender``: check it, then note it."""
+        clock = self._clock
+        assert clock is not None
+        try:
+            record = parse_peer_record(payload, signer)
+            if record.peer_id != sender:
+                raise RemoteProtocolError("record names another peer ID", reason="signer_mismatch")
+        except RemoteProtocolError as exc:
+            self.metrics.reject(exc.reason)
+            offence = Offence.SIGNER_MISMATCH if exc.reason == "signer_mismatch" else Offence.MALFORMED
+            self.policy.offence(sender, offence, exc.reason)
+            return
+        self.metrics.count("heartbeats_received")
+        self._latency_ms[record.peer_id] = max(clock.wall_ms() - timestamp_ms, 0)
+        self._log_changes(self.membership.heard(record.peer_id, record, clock.now()))
+        if (
+            record.peer_id not in self.host.connected_peers()
+            and len(self.host.connected_peers()) < self.config.max_peers
+            and not self.policy.is_banned(record.peer_id)
+        ):
+            self._dial_in_background(PeerAddresses(record.peer_id, record.multiaddrs))
+
+    def latency_ms(self, peer_id: str) -> int | None:
+        return self._latency_ms.get(peer_id)
+
+    def _dial_in_background(self, peer: PeerAddresses) -> None:
+        if peer.peer_id in self._dialing:
+            return
+        self._dialing.add(peer.peer_id)
+        self.gossip.nursery.start_soon(self._dial, peer)
+
+    async def _dial(self, peer: PeerAddresses) -> None:
+        """Dial a discovered peer. Of two peers that learn of each other at once, the one with the larger
+        peer ID waits first: with one connection allowed per peer, simultaneous dials would close one of
+        the two connections and the streams on it."""
+        try:
+            if self.identity.peer_id > peer.peer_id:
+                await trio.sleep(DIAL_YIELD_DELAY)
+                if peer.peer_id in self.host.connected_peers():
+                    return
+            await self.host.connect_peer(peer)
+        except NodeError as exc:
+            log.debug("dial %s failed: %s", peer.peer_id, exc)
+        finally:
+            self._dialing.discard(peer.peer_id)
+
+    async def _membership_loop(self) -> None:
+        clock = self._clock
+        assert clock is not None
+        while True:
+            await trio.sleep(min(1.0, self.config.heartbeat_interval / 2))
+            self._log_changes(self.membership.tick(clock.now()))
+            self.gossip.expire()
+            self.policy.expire()
+            for peer_id in self.host.connected_peers():
+                if self.policy.is_banned(peer_id):
+                    await self.host.disconnect(peer_id)
+
+    def _log_changes(self, changes: list[StateChanged]) -> None:
+        for change in changes:
+            before = change.before.value if change.before else "new"
+            after = change.after.value if change.after else "forgotten"
+            if change.after is None:
+                self._latency_ms.pop(change.peer_id, None)
+            self.metrics.event(self.uptime(), "peer", f"{change.peer_id[-8:]} {before} -> {after}")
+            log.info("peer %s: %s -> %s", change.peer_id, before, after)
+
+    async def _bootstrap_loop(self, multiaddr: str) -> None:
+        """Keep a connection to one bootstrap peer, retrying with exponential backoff."""
+        backoff = 0.5
+        peer_id: str | None = None
+        while True:
+            if peer_id is None or peer_id not in self.host.connected_peers():
+                try:
+                    peer_id = await self.host.connect(multiaddr)
+                    self.bootstrapped.set()
+                    self.metrics.event(self.uptime(), "bootstrap", f"connected to {multiaddr}")
+                    backoff = 0.5
+                except NodeError as exc:
+                    if exc.reason == "bad_multiaddr":
+                        raise
+                    self.metrics.count("bootstrap_failures")
+                    log.warning("bootstrap %s unreachable (retrying in %.0f s): %s", multiaddr, backoff, exc)
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, BOOTSTRAP_BACKOFF_MAX)
+                    continue
+            await trio.sleep(max(self.config.heartbeat_interval, 1.0))
+
+    async def _bootstrap_deadline(self) -> None:
+        with trio.move_on_after(self.config.bootstrap_timeout):
+            await self.bootstrapped.wait()
+            return
+        raise NodeError(
+            f"no bootstrap peer reachable within {self.config.bootstrap_timeout:.0f} s "
+            f"({', '.join(self.config.bootstrap)})",
+            reason="bootstrap_unreachable",
+        )
+
+    async def _discovery_loop(self) -> None:
+        """Provide the run in the DHT and dial its other providers.
+
+        Lookups run every second for the first ``DISCOVERY_WARMUP`` seconds after bootstrap (others are
+        joining too), then back off to ``discovery_interval`` while they find nobody new
+        (newcomers also reach us through heartbeats, which carry their multiaddrs); the provider record
+        is refreshed every ``PROVIDE_REFRESH`` s. DHT queries are the costliest idle traffic, so they are
+        kept rare once the swarm is known.
+        """
+        run_key = f"/prime-node/run/{self.config.run_id}"
+        pause = 0.5
+        provided_at: float | None = None
+        await self.bootstrapped.wait()
+        started = trio.current_time()
+        while True:
+            now = trio.current_time()
+            found: list[PeerAddresses] = []
+            try:
+                if provided_at is None or now - provided_at >= PROVIDE_REFRESH:
+                    await self.host.provide(run_key)
+                    provided_at = now
+                found = await self.host.find_providers(run_key)
+            except NodeError as exc:
+                log.debug("discovery round failed: %s", exc)
+            connected = set(self.host.connected_peers())
+            new = [p for p in found if p.peer_id not in connected and not self.policy.is_banned(p.peer_id)]
+            for peer in new[: max(0, self.config.max_peers - len(connected))]:
+                self._dial_in_background(peer)
+            self.metrics.count("discovery_rounds")
+            await trio.sleep(pause)
+            warming_up = trio.current_time() - started < DISCOVERY_WARMUP
+            pause = 1.0 if new or warming_up else min(pause * 2, self.config.discovery_interval)
+
+    # -- node.json ---------------------------------------------------------------------------------------
+
+    def node_file(self) -> Path:
+        return self.config.data_dir / NODE_FILE
+
+    def _write_node_file(self, state: str) -> None:
+        document: dict[str, Any] = {
+            "state": state,
+            "address": self.identity.address,
+            "peer_id": self.identity.peer_id,
+            "pid": os.getpid(),
+            "run": self.config.run_id,
+            "role": self.config.role,
+            "api": self.api_url if state == "running" else None,
+        }
+        if state == "running":
+            document["multiaddrs"] = self.advertised_multiaddrs()
+        else:
+            document["multiaddrs"] = []
+        path = self.node_file()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            temporary.write_text(json.dumps(document, indent=2) + "\n")
+            os.replace(temporary, path)
+        except OSError as exc:
+            raise NodeError(f"cannot write {path}: {exc.strerror}", reason="data_dir") from exc

@@ -1,0 +1,435 @@
+"""The one place py-libp2p is used: a ``P2PHost`` over TCP + Noise + yamux, Kademlia and gossipsub.
+
+Choices forced by what py-libp2p 0.8.1 does (DESIGN §11):
+- Noise is the *only* security transport: the default host also accepts plaintext.
+- yamux is the only muxer; ``max_connections_per_peer=1`` avoids a 250 ms wait on every dial.
+- The node identity is the wallet's secp256k1 key, so a Noise-authenticated peer ID names an address.
+- The Kademlia DHT runs in server mode on every full node.
+- gossipsub's own spam limit (10 msg/s per forwarder and topic) would silently stop *forwarding* of a busy
+  topic; we raise it and do flood control ourselves, per origin, in protocol/scoring.py.
+- The ``libp2p`` logger reports expected failures (a peer went away) at ERROR; we cap it at CRITICAL
+  unless the user asks for debug logs.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from crypto.identity import public_key_from_peer_id
+from crypto.keys import WalletKey
+from prime_node.errors import NodeError
+from prime_node.p2p.interface import FramedStream, GossipHandler, GossipMessage, PeerAddresses, StreamHandler
+
+log = logging.getLogger(__name__)
+GOSSIPSUB_PROTOCOL = "/meshsub/1.1.0"
+DIAL_TIMEOUT = 10.0
+NEVER_TRIM = 10.0**9
+
+
+def quiet_libp2p_logs() -> None:
+    """py-libp2p logs routine peer churn at ERROR; keep it out of the user's terminal.
+
+    Call after importing libp2p: its import configures the ``libp2p`` logger (no propagation, no
+    handler, so Python's last-resort handler would print bare lines to stderr).
+    """
+    import libp2p  # noqa: F401  (its import resets the logger we adjust here)
+
+    if not logging.getLogger("prime_node").isEnabledFor(logging.DEBUG):
+        for name in ("libp2p", "multiaddr"):
+            logger = logging.getLogger(name)
+            logger.setLevel(logging.CRITICAL)
+            if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
+                logger.addHandler(logging.NullHandler())
+
+
+def parse_multiaddr(text: str, *, need_peer_id: bool) -> Any:
+    """A Multiaddr, or NodeError(bad_multiaddr) with one clear line."""
+    import multiaddr
+
+    try:
+        parsed = multiaddr.Multiaddr(text)
+    except Exception as exc:  # the multiaddr package raises several unrelated types
+        raise NodeError(f"bad multiaddr {text!r}: {exc}", reason="bad_multiaddr") from exc
+    if need_peer_id:
+        try:
+            peer_id = parsed.value_for_protocol("p2p")
+        except Exception:
+            peer_id = None
+        if not peer_id:
+            raise NodeError(f"multiaddr {text!r} must end in /p2p/<peer id>", reason="bad_multiaddr")
+        try:
+            public_key_from_peer_id(str(peer_id))
+        except Exception as exc:
+            raise NodeError(
+                f"multiaddr {text!r} does not name a wallet-key peer: {exc}", reason="bad_multiaddr"
+            ) from exc
+    return parsed
+
+
+class _Libp2pByteStream:
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.remote_peer_id = str(stream.muxed_conn.peer_id)
+
+    async def read(self, max_bytes: int) -> bytes:
+        try:
+            return bytes(await self._stream.read(max_bytes))
+        except Exception as exc:
+            if _is_end_of_stream(exc):
+                return b""
+            raise NodeError(f"stream read failed: {type(exc).__name__}", reason="stream_closed") from exc
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self._stream.write(data)
+        except Exception as exc:
+            raise NodeError(f"stream write failed: {type(exc).__name__}", reason="stream_closed") from exc
+
+    async def close(self) -> None:
+        try:
+            await self._stream.close()
+        except Exception:
+            log.debug("closing a stream failed", exc_info=True)
+
+    async def reset(self) -> None:
+        try:
+            await self._stream.reset()
+        except Exception:
+            log.debug("resetting a stream failed", exc_info=True)
+
+
+def _is_end_of_stream(exc: Exception) -> bool:
+    return type(exc).__name__ in {
+        "StreamEOF",
+        "StreamClosed",
+        "StreamReset",
+        "MuxedStreamEOF",
+        "MuxedStreamReset",
+    }
+
+
+class Libp2pHost:
+    """A running libp2p host (see the module doc). Create with ``open_libp2p_host``."""
+
+    def __init__(self, host: Any, pubsub: Any, dht: Any, nursery: trio.Nursery) -> None:
+        self._host = host
+        self._pubsub = pubsub
+        self._dht = dht
+        self._nursery = nursery
+        self._peer_id = str(host.get_id())
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    def listen_multiaddrs(self) -> list[str]:
+        suffix = f"/p2p/{self._peer_id}"
+        out = []
+        for addr in self._host.get_addrs():
+            text = str(addr)
+            out.append(text if text.endswith(suffix) else text + suffix)
+        return sorted(set(out))
+
+    async def connect(self, multiaddr: str) -> str:
+        from libp2p.peer.peerinfo import info_from_p2p_addr
+
+        info = info_from_p2p_addr(parse_multiaddr(multiaddr, need_peer_id=True))
+        await self._dial(info)
+        return str(info.peer_id)
+
+    async def connect_peer(self, peer: PeerAddresses) -> None:
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerinfo import PeerInfo
+
+        addrs = [parse_multiaddr(a, need_peer_id=False) for a in peer.multiaddrs]
+        await self._dial(PeerInfo(ID.from_base58(peer.peer_id), addrs))
+
+    async def _dial(self, info: Any) -> None:
+        if str(info.peer_id) == self._peer_id:
+            return
+        self._host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
+        try:
+            with trio.fail_after(DIAL_TIMEOUT):
+                await self._host.connect(info)
+        except trio.TooSlowError as exc:
+            raise NodeError(f"dialing {info.peer_id} timed out", reason="dial_failed") from exc
+        except Exception as exc:
+            raise NodeError(f"cannot reach {info.peer_id}: {_short(exc)}", reason="dial_failed") from exc
+        try:
+            await self._dht.routing_table.add_peer(info.peer_id)
+        except Exception:
+            log.debug("adding %s to the routing table failed", info.peer_id, exc_info=True)
+
+    async def disconnect(self, peer_id: str) -> None:
+        from libp2p.peer.id import ID
+
+        try:
+            await self._host.disconnect(ID.from_base58(peer_id))
+        except Exception:
+            log.debug("disconnecting %s failed", peer_id, exc_info=True)
+
+    def connected_peers(self) -> list[str]:
+        return sorted(str(p) for p in self._host.get_connected_peers())
+
+    def set_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
+        from libp2p.custom_types import TProtocol
+
+        async def on_stream(stream: Any) -> None:
+            framed = FramedStream(_Libp2pByteStream(stream))
+            try:
+                await handler(framed)
+            except NodeError as exc:
+                log.info("stream %s from %s ended: %s", protocol_id, framed.remote_peer_id, exc)
+            finally:
+                await framed.close()
+
+        self._host.set_stream_handler(TProtocol(protocol_id), on_stream)
+
+    async def open_stream(self, peer_id: str, protocol_id: str) -> FramedStream:
+        from libp2p.custom_types import TProtocol
+        from libp2p.peer.id import ID
+
+        try:
+            with trio.fail_after(DIAL_TIMEOUT):
+                stream = await self._host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol_id)])
+        except trio.TooSlowError as exc:
+            raise NodeError(f"opening {protocol_id} to {peer_id} timed out", reason="stream_failed") from exc
+        except Exception as exc:
+            raise NodeError(
+                f"cannot open {protocol_id} to {peer_id}: {_short(exc)}", reason="stream_failed"
+            ) from exc
+        return FramedStream(_Libp2pByteStream(stream))
+
+    async def subscribe(self, topic: str, handler: GossipHandler) -> None:
+        subscription = await self._pubsub.subscribe(topic)
+        self._nursery.start_soon(self._deliver, topic, subscription, handler)
+
+    async def _deliver(self, topic: str, subscription: Any, handler: GossipHandler) -> None:
+        from libp2p.peer.id import ID
+
+        while True:
+            message = await subscription.get()
+            try:
+                origin = str(ID(message.from_id))
+            except Exception:
+                log.debug("gossip message with an unreadable origin on %s", topic)
+                continue
+            if origin == self._peer_id:
+                continue
+            await handler(GossipMessage(topic, origin, bytes(message.data)))
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        try:
+            await self._pubsub.publish(topic, data)
+        except Exception as exc:
+            raise NodeError(f"publishing on {topic} failed: {_short(exc)}", reason="publish_failed") from exc
+
+    async def provide(self, key: str) -> None:
+        try:
+            await self._dht.provide(key)
+        except Exception as exc:
+            raise NodeError(f"DHT provide failed: {_short(exc)}", reason="dht_failed") from exc
+
+    async def find_providers(self, key: str) -> list[PeerAddresses]:
+        try:
+            found = await self._dht.find_providers(key)
+        except Exception as exc:
+            raise NodeError(f"DHT lookup failed: {_short(exc)}", reason="dht_failed") from exc
+        out = []
+        for info in found:
+            peer_id = str(info.peer_id)
+            if peer_id != self._peer_id:
+                out.append(PeerAddresses(peer_id, tuple(f"{a}" for a in info.addrs)))
+        return out
+
+    def routing_table_size(self) -> int:
+        return int(self._dht.get_routing_table_size())
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:200]
+
+
+def _gossipsub(heartbeat_interval: int) -> Any:
+    from libp2p.custom_types import TProtocol
+    from libp2p.pubsub.gossipsub import GossipSub
+
+    return GossipSub(
+        protocols=[TProtocol(GOSSIPSUB_PROTOCOL)],
+        degree=6,
+        degree_low=4,
+        degree_high=12,
+        heartbeat_interval=heartbeat_interval,
+        prune_back_off=10,
+        max_messages_per_topic_per_second=1000.0,
+        # Its "v2.0" extras measure IP diversity and adapt degrees; with peers that share an IP (one machine,
+        # one data centre, loopback) they shrink meshes and heartbeats go missing. Off: our own scoring rules.
+        adaptive_gossip_enabled=False,
+        eclipse_protection_enabled=False,
+    )
+
+
+def _bind_error(exc: BaseException) -> OSError | None:
+    """The OSError inside whatever py-libp2p wrapped it in, if any."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (
+            errno.EADDRINUSE,
+            errno.EADDRNOTAVAIL,
+            errno.EACCES,
+        ):
+            return current
+        if isinstance(current, BaseExceptionGroup):
+            stack.extend(current.exceptions)
+        for linked in (current.__cause__, current.__context__):
+            if linked is not None:
+                stack.append(linked)
+    return None
+
+
+def _own_error(exc: BaseException) -> NodeError | None:
+    if isinstance(exc, NodeError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _own_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def _why_bind_fails(listen_addr: Any) -> str:
+    """Reproduce the bind py-libp2p attempted, to tell the user why it failed."""
+    import socket
+
+    try:
+        host = listen_addr.value_for_protocol("ip4")
+        port = int(listen_addr.value_for_protocol("tcp"))
+        with socket.socket() as probe:
+            probe.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    except Exception:
+        return "the address cannot be bound"
+    return "the transport refused it"
+
+
+def _resource_manager() -> Any:
+    """py-libp2p's resource manager without its global circuit breaker and load shedding: after five
+    failures anywhere (routine churn) the breaker refuses every new connection for 60 s, which stalls
+    discovery. Stream, connection and memory limits stay on; our own scoring handles abusive peers."""
+    from libp2p.rcmgr.manager import ResourceManager
+
+    return ResourceManager(enable_circuit_breaker=False, enable_graceful_degradation=False)
+
+
+def _build_host(
+    key: WalletKey, listen_addr: Any, gossip_heartbeat_interval: int
+) -> tuple[Any, Any, Any, Any]:
+    """The host (Noise only, yamux only, one connection per peer), pubsub, gossipsub and a server-mode DHT."""
+    from libp2p import create_yamux_muxer_option, new_host
+    from libp2p.crypto.secp256k1 import create_new_key_pair
+    from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+    from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+    from libp2p.network.config import ConnectionConfig
+    from libp2p.pubsub.pubsub import Pubsub
+    from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+    from libp2p.security.noise.transport import Transport as NoiseTransport
+
+    key_pair = create_new_key_pair(key.secret)
+    noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
+    host = new_host(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},
+        muxer_opt=create_yamux_muxer_option(),
+        # One connection per peer keeps dials fast (no 250 ms wait for extra connections). When two peers
+        # dial each other at once, py-libp2p later "trims" one connection and resets every stream on it;
+        # an endless grace period turns that off (at worst a pair keeps two connections).
+        connection_config=ConnectionConfig(max_connections_per_peer=1, grace_period=NEVER_TRIM),
+        listen_addrs=[listen_addr],
+        resource_manager=_resource_manager(),
+    )
+    gossipsub = _gossipsub(gossip_heartbeat_interval)
+    pubsub = Pubsub(host, gossipsub)
+    return host, pubsub, gossipsub, KadDHT(host, DHTMode.SERVER)
+
+
+@asynccontextmanager
+async def open_libp2p_host(
+    key: WalletKey, listen: str = "/ip4/127.0.0.1/tcp/0", *, gossip_heartbeat_interval: int = 1
+) -> AsyncIterator[Libp2pHost]:
+    """Start a host with the wallet's identity listening on ``listen``; stop it on exit."""
+    quiet_libp2p_logs()
+    listen_addr = parse_multiaddr(listen, need_peer_id=False)
+    if "/tcp/" not in listen:
+        raise NodeError(f"listen address {listen!r} must be TCP (/ip4/.../tcp/PORT)", reason="bad_multiaddr")
+
+    from libp2p.tools.anyio_service import background_trio_service
+
+    host, pubsub, gossipsub, dht = _build_host(key, listen_addr, gossip_heartbeat_interval)
+    started = False
+    body_error: BaseException | None = None
+    # Teardown always runs cancelled: py-libp2p's services can wait a long time for peers to answer
+    # while closing, and an error in the caller's code must not leave the node hanging.
+    with trio.CancelScope() as teardown:
+        try:
+            async with host.run(listen_addrs=[listen_addr]), trio.open_nursery() as nursery:
+                if not host.get_network().listeners:  # py-libp2p logs a failed bind and carries on
+                    raise NodeError(
+                        f"cannot listen on {listen}: {_why_bind_fails(listen_addr)}", reason="port_in_use"
+                    )
+                started = True
+                async with (
+                    background_trio_service(pubsub),
+                    background_trio_service(gossipsub),
+                    background_trio_service(dht),
+                ):
+                    await pubsub.wait_until_ready()
+                    try:
+                        yield Libp2pHost(host, pubsub, dht, nursery)
+                    except BaseException as exc:
+                        body_error = exc
+                        raise
+                    finally:
+                        teardown.cancel()
+        except BaseException as exc:
+            if body_error is not None:
+                raise body_error from None
+            if not started:
+                own = _own_error(exc)
+                if own is not None:
+                    raise own from None
+                bind = _bind_error(exc)
+                if bind is not None:
+                    raise NodeError(
+                        f"cannot listen on {listen}: {bind.strerror}", reason="port_in_use"
+                    ) from None
+                if isinstance(exc, Exception):
+                    raise NodeError(
+                        f"cannot start the libp2p host on {listen}: {_short(exc)}", reason="listen_failed"
+                    ) from exc
+                raise
+            # py-libp2p's services sometimes spawn tasks into closing nurseries while shutting down: log that,
+            # but let a cancellation from outside go on its way.
+            if isinstance(exc, BaseExceptionGroup):
+                cancelled, rest = exc.split(trio.Cancelled)
+                if rest is not None:
+                    log.debug("libp2p reported errors while shutting down: %r", rest)
+                if cancelled is not None:
+                    raise cancelled from None
+            elif isinstance(exc, trio.Cancelled | KeyboardInterrupt):
+                raise
+            else:
+                log.debug("libp2p reported an error while shutting down: %r", exc)

@@ -1,0 +1,1 @@
+"""Large-scale simulation of the weight swarm: the real protocol.swarm state machines over modelled links."""

@@ -1,0 +1,87 @@
+"""The status snapshot: one JSON-ready dict describing a running node, and its Prometheus form."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prime_node.node.service import Node
+
+SNAPSHOT_VERSION = 1
+
+
+def snapshot(node: Node) -> dict[str, Any]:
+    running = node.is_running
+    connected = set(node.host.connected_peers()) if running else set()
+    peers = []
+    for member in node.membership.members():
+        record = member.record
+        peers.append(
+            {
+                "address": str(record.address),
+                "peer_id": member.peer_id,
+                "state": member.state.value,
+                "role": record.role,
+                "connected": member.peer_id in connected,
+                "score": round(node.policy.score(member.peer_id), 1) if running else 0.0,
+                "banned": node.policy.is_banned(member.peer_id) if running else False,
+                "latency_ms": node.latency_ms(member.peer_id),
+                "last_heard_s": round(max(0.0, node.now() - member.last_heard), 2),
+                "heartbeats": member.heartbeats,
+                "multiaddrs": list(record.multiaddrs),
+                "versions_held": list(record.versions_held),
+                "load_percent": record.load_percent,
+                "hardware": {
+                    "cpu_cores": record.hardware.cpu_cores,
+                    "ram_mib": record.hardware.ram_mib,
+                    "gpu_count": record.hardware.gpu_count,
+                    "gpu_vram_mib": record.hardware.gpu_vram_mib,
+                },
+                "software_version": record.software_version,
+            }
+        )
+    banned = node.policy.scores.banned(node.now()) if running else []
+    return {
+        "version": SNAPSHOT_VERSION,
+        "address": node.identity.address,
+        "peer_id": node.identity.peer_id,
+        "role": node.config.role,
+        "run": node.config.run_id,
+        "uptime_s": round(node.uptime(), 2),
+        "multiaddrs": node.advertised_multiaddrs() if running else [],
+        "api": node.api_url,
+        "connected_peers": len(connected),
+        "routing_table_size": node.host.routing_table_size() if running else 0,
+        "peers": peers,
+        "banned": banned,
+        "counters": dict(sorted(node.metrics.counters.items())),
+        "rejections": dict(sorted(node.metrics.rejections.items())),
+        "events": [
+            {"at_s": round(e.at, 2), "kind": e.kind, "text": e.text} for e in list(node.metrics.events)[-30:]
+        ],
+    }
+
+
+def prometheus_text(data: dict[str, Any]) -> str:
+    """Prometheus text exposition (version 0.0.4) of a snapshot."""
+    lines = [
+        "# HELP prime_node_up 1 while the node runs.",
+        "# TYPE prime_node_up gauge",
+        f'prime_node_up{{address="{data["address"]}",role="{data["role"]}",run="{data["run"]}"}} 1',
+        "# TYPE prime_node_uptime_seconds gauge",
+        f"prime_node_uptime_seconds {data['uptime_s']}",
+        "# TYPE prime_node_connected_peers gauge",
+        f"prime_node_connected_peers {data['connected_peers']}",
+        "# TYPE prime_node_peers gauge",
+    ]
+    states: dict[str, int] = {"healthy": 0, "unhealthy": 0, "dead": 0}
+    for peer in data["peers"]:
+        states[peer["state"]] = states.get(peer["state"], 0) + 1
+    lines += [f'prime_node_peers{{state="{state}"}} {count}' for state, count in sorted(states.items())]
+    lines.append("# TYPE prime_node_events_total counter")
+    for name, value in data["counters"].items():
+        lines.append(f'prime_node_events_total{{name="{name}"}} {value}')
+    lines.append("# TYPE prime_node_rejections_total counter")
+    for reason, value in data["rejections"].items():
+        lines.append(f'prime_node_rejections_total{{reason="{reason}"}} {value}')
+    return "\n".join(lines) + "\n"

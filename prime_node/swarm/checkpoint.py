@@ -1,0 +1,172 @@
+"""A Hugging Face-format model directory as one byte stream of fixed-size pieces, and its signed manifest.
+
+The trainer shares a directory as it is on disk (config.json, tokenizer files, *.safetensors); the files
+are taken in path order, concatenated, cut into pieces and hashed in one streaming pass, so memory stays at
+one piece whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from blake3 import blake3
+
+from crypto.keys import WalletKey
+from prime_node.errors import NodeError
+from protocol.envelope import Envelope
+from protocol.manifest import (
+    MAX_FILES,
+    MAX_PIECE_SIZE,
+    MAX_PIECES,
+    MIN_PIECE_SIZE,
+    Manifest,
+    build_manifest,
+    check_relative_path,
+    sign_manifest,
+)
+
+DEFAULT_PIECE_SIZE = 4 << 20
+REQUIRED_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class SharedCheckpoint:
+    """What ``share`` produces: the manifest, its signed envelope, and the directory it describes."""
+
+    manifest: Manifest
+    envelope: Envelope
+    directory: Path
+
+    @property
+    def manifest_id(self) -> bytes:
+        return self.manifest.id()
+
+
+def node_error_from_os(exc: OSError, action: str) -> NodeError:
+    """One clear line for the errors a user can fix (a full disk, a permission), with a stable reason."""
+    where = f" {exc.filename}" if exc.filename else ""
+    if exc.errno == errno.ENOSPC:
+        return NodeError(f"disk full while {action}{where}", reason="disk_full")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return NodeError(f"permission denied while {action}{where}", reason="permission_denied")
+    return NodeError(f"cannot {action}{where}: {exc.strerror or exc}", reason="io_error")
+
+
+def list_model_files(directory: Path) -> list[tuple[str, int]]:
+    """(relative path, size) of every regular file under ``directory``, checked and in path order."""
+    if not directory.is_dir():
+        raise NodeError(f"{directory} is not a directory", reason="not_a_model_dir")
+    files: list[tuple[str, int]] = []
+    try:
+        for path in sorted(directory.rglob("*")):
+            if path.is_dir():
+                continue
+            relative = path.relative_to(directory).as_posix()
+            if not path.is_file():
+                raise NodeError(f"{relative} in {directory} is not a regular file", reason="bad_model_file")
+            try:
+                check_relative_path(relative)
+            except ValueError as exc:
+                raise NodeError(f"cannot share {relative}: {exc}", reason="bad_model_file") from exc
+            files.append((relative, path.stat().st_size))
+    except OSError as exc:
+        raise node_error_from_os(exc, f"reading {directory}") from exc
+    names = {name for name, _ in files}
+    if REQUIRED_FILE not in names or not any(name.endswith(".safetensors") for name in names):
+        raise NodeError(
+            f"{directory} is not a Hugging Face model directory (needs {REQUIRED_FILE} and *.safetensors)",
+            reason="not_a_model_dir",
+        )
+    if len(files) > MAX_FILES:
+        raise NodeError(f"{directory} has {len(files)} files, more than {MAX_FILES}", reason="too_many_files")
+    return sorted(files)
+
+
+def iter_pieces(directory: Path, files: list[tuple[str, int]], piece_size: int) -> Iterator[bytes]:
+    """The concatenated files in ``piece_size`` chunks (the last one shorter)."""
+    buffer = bytearray()
+    try:
+        for name, size in files:
+            with open(directory / name, "rb") as handle:
+                left = size
+                while left:
+                    chunk = handle.read(min(piece_size - len(buffer), left))
+                    if not chunk:
+                        raise NodeError(f"{name} shrank while it was being read", reason="file_changed")
+                    buffer += chunk
+                    left -= len(chunk)
+                    if len(buffer) == piece_size:
+                        yield bytes(buffer)
+                        buffer.clear()
+    except OSError as exc:
+        raise node_error_from_os(exc, f"reading {directory}") from exc
+    if buffer:
+        yield bytes(buffer)
+
+
+def choose_piece_size(total_size: int, requested: int | None = None) -> int:
+    """``requested`` if given (a power of two in range), else 4 MiB, doubled until the piece count fits."""
+    if requested is not None:
+        if requested & (requested - 1) or not MIN_PIECE_SIZE <= requested <= MAX_PIECE_SIZE:
+            raise NodeError(
+                f"piece size must be a power of two from {MIN_PIECE_SIZE} to {MAX_PIECE_SIZE}",
+                reason="bad_piece_size",
+            )
+        if -(-total_size // requested) > MAX_PIECES:
+            raise NodeError(
+                f"piece size {requested} gives more than {MAX_PIECES} pieces", reason="bad_piece_size"
+            )
+        return requested
+    size = DEFAULT_PIECE_SIZE
+    while -(-total_size // size) > MAX_PIECES and size < MAX_PIECE_SIZE:
+        size *= 2
+    return size
+
+
+def build_checkpoint(
+    directory: Path, key: WalletKey, *, run: str, step: int, now_ms: int, piece_size: int | None = None
+) -> SharedCheckpoint:
+    """Hash ``directory`` and sign its manifest with ``key`` (the run's trainer key)."""
+    files = list_model_files(directory)
+    total = sum(size for _, size in files)
+    if total == 0:
+        raise NodeError(f"{directory} holds no bytes", reason="not_a_model_dir")
+    size = choose_piece_size(total, piece_size)
+    hashes = b"".join(blake3(piece).digest() for piece in iter_pieces(directory, files, size))
+    try:
+        manifest = build_manifest(
+            run=run, step=step, piece_size=size, files=files, piece_hashes=hashes, signer=key.address
+        )
+    except ValueError as exc:
+        raise NodeError(f"cannot describe {directory}: {exc}", reason="bad_manifest") from exc
+    return SharedCheckpoint(manifest, sign_manifest(key, manifest, now_ms=now_ms), directory)
+
+
+def read_piece_from_files(directory: Path, manifest: Manifest, index: int) -> bytes:
+    """Piece ``index`` read from the original files (how the origin serves without copying them)."""
+    start, end = manifest.piece_span(index)
+    out = bytearray()
+    try:
+        for entry in manifest.files:
+            low, high = max(start, entry.offset), min(end, entry.offset + entry.size)
+            if low >= high:
+                continue
+            with open(directory / entry.path, "rb") as handle:
+                handle.seek(low - entry.offset)
+                out += handle.read(high - low)
+    except OSError as exc:
+        raise node_error_from_os(exc, f"reading {directory}") from exc
+    return bytes(out)
+
+
+def fsync_directory(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,142 @@
+"""One checkpoint version's transfer on this node: a SwarmNode wired to its bytes (a PieceStore, or for
+the origin the original directory) and to a transport given as two callbacks.
+
+This is the whole of the swarm that a transport has to know about: report connections, hand over each
+received frame as bytes, call ``tick`` now and then, and deliver the frames passed to ``send``. The
+libp2p data plane, an authenticated raw TCP channel and the in-memory loopback of the tests
+(prime_node/testing/swarm_loopback.py) all drive it the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Protocol
+
+from prime_node.swarm.checkpoint import read_piece_from_files
+from protocol.codec import decode_any, encode
+from protocol.errors import RemoteProtocolError
+from protocol.manifest import Manifest
+from protocol.swarm.messages import Piece
+from protocol.swarm.node import (
+    Action,
+    Completed,
+    Disconnect,
+    Send,
+    SwarmConfig,
+    SwarmNode,
+    Upload,
+    Verify,
+)
+from protocol.swarm.pieceset import full_set
+
+log = logging.getLogger(__name__)
+
+SendFrame = Callable[[Hashable, bytes], None]
+ClosePeer = Callable[[Hashable, str], None]
+
+
+class PieceSource(Protocol):
+    """Where a transfer's verified pieces are kept."""
+
+    have: int
+
+    def read(self, index: int) -> bytes: ...
+
+    def write(self, index: int, data: bytes) -> bool: ...
+
+
+class OriginDirectory:
+    """The origin's pieces, read straight from the directory it shared (it holds them all)."""
+
+    def __init__(self, directory: Path, manifest: Manifest) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self.have = full_set(manifest.piece_count)
+
+    def read(self, index: int) -> bytes:
+        return read_piece_from_files(self.directory, self.manifest, index)
+
+    def write(self, index: int, data: bytes) -> bool:
+        return self.manifest.piece_is_valid(index, data)
+
+
+class CheckpointTransfer:
+    """See the module doc. ``on_complete`` runs once, when every piece is verified and stored."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        pieces: PieceSource,
+        *,
+        send: SendFrame,
+        close: ClosePeer,
+        rng: random.Random,
+        config: SwarmConfig | None = None,
+        on_complete: Callable[[], None] | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.manifest_id = manifest.id()
+        self.pieces = pieces
+        self._send = send
+        self._close = close
+        self._on_complete = on_complete
+        self.node = SwarmNode(
+            self.manifest_id, manifest.piece_count, rng=rng, config=config, have=pieces.have
+        )
+        self.completed = self.node.complete
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def connected(self, peer: Hashable, now: float) -> None:
+        self._run(self.node.connected(peer, now), now)
+
+    def disconnected(self, peer: Hashable, now: float) -> None:
+        self._run(self.node.disconnected(peer, now), now)
+
+    def tick(self, now: float) -> None:
+        self._run(self.node.tick(now), now)
+
+    def frame(self, peer: Hashable, data: bytes, now: float) -> None:
+        """One frame received from ``peer``. Undecodable bytes ban the peer."""
+        self.bytes_in += len(data)
+        try:
+            message = decode_any(data, max_bytes=Piece.MAX_BYTES)
+        except RemoteProtocolError as exc:
+            log.warning("banning %s: undecodable frame (%s: %s)", peer, exc.reason, exc)
+            self._run(self.node.ban(peer, exc.reason, now), now)
+            return
+        self._run(self.node.receive(peer, message, now), now)
+
+    def _run(self, actions: list[Action], now: float) -> None:
+        queue = deque(actions)
+        while queue:
+            action = queue.popleft()
+            if isinstance(action, Send):
+                self._emit(action.peer, encode(action.message))
+            elif isinstance(action, Upload):
+                frame = encode(Piece(self.manifest_id, action.index, self.pieces.read(action.index)))
+                self._emit(action.peer, frame)
+                queue += self.node.upload_done(action.peer, action.index, now)
+            elif isinstance(action, Verify):
+                valid = self.pieces.write(action.index, action.data)
+                if not valid:
+                    log.warning(
+                        "piece %d from %s fails its hash: banning the peer", action.index, action.peer
+                    )
+                queue += self.node.piece_checked(action.peer, action.index, valid, now)
+            elif isinstance(action, Disconnect):
+                log.info("disconnecting %s: %s", action.peer, action.reason)
+                self._close(action.peer, action.reason)
+            elif isinstance(action, Completed) and not self.completed:
+                self.completed = True
+                if self._on_complete is not None:
+                    self._on_complete()
+            # AbortUpload: frames go out whole as soon as they are made, so there is nothing to stop.
+
+    def _emit(self, peer: Hashable, frame: bytes) -> None:
+        self.bytes_out += len(frame)
+        self._send(peer, frame)

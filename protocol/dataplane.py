@@ -1,0 +1,365 @@
+"""The data plane's channel protocol, sans-IO: a wallet-authenticated handshake and MAC'd frames.
+
+Bulk bytes (checkpoint pieces) are public and each piece is checked against the signed manifest, so the
+channel owes its users two things only: that the peer is who it claims (its wallet address) and that
+every frame arrives unmodified, once, in order. It does not encrypt. That is what lets it run at close
+to raw TCP speed, where py-libp2p's Noise+yamux stream moves ~55 MB/s (DESIGN §4, §11).
+
+Handshake (three codec messages, each in a ``u32`` length-prefixed frame):
+
+1. dialer → listener: ``dataplane.hello`` (ephemeral secp256k1 key, 32-byte nonce)
+2. listener → dialer: ``dataplane.hello``, then ``dataplane.auth`` (its address, signature over the
+   transcript and its own address)
+3. dialer → listener: ``dataplane.auth`` (its address, signature over the transcript and both addresses)
+
+Session keys come from the ECDH of the two ephemeral keys, hashed with BLAKE3 in derive-key mode
+together with the transcript and both addresses, so both ends hold the same keys only if they agree on
+everything, identities included (a relay that swaps a signature gets keys nobody else has).
+
+Frame: ``u32`` big-endian body length ‖ body ‖ 32-byte tag, tag = keyed BLAKE3 (the direction's key)
+over direction ‖ ``u64`` frame counter ‖ ``u32`` length ‖ body. The counter is implicit, so a replayed,
+dropped or reordered frame fails its tag. docs/dataplane.md has the byte-level layout.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import struct
+from dataclasses import dataclass
+from typing import Annotated
+
+import blake3 as _blake3
+import coincurve
+
+from crypto.digests import blake3
+from crypto.errors import CryptoError
+from crypto.keys import Address, WalletKey
+from crypto.signatures import recover_address
+from protocol.codec import ExactLen, Message, decode, encode, message
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.swarm.messages import Piece
+
+PROTOCOL_TAG = b"prime-node/dataplane/v1"
+KEY_CONTEXT = "prime-node 2026 dataplane v1 session keys"
+EPHEMERAL_KEY_SIZE = 33
+NONCE_SIZE = 32
+SECRET_SIZE = 32
+SIGNATURE_SIZE = 65
+TAG_SIZE = 32
+FRAME_HEADER = struct.Struct(">I")
+HANDSHAKE_MAX_FRAME = 256
+DEFAULT_MAX_FRAME = Piece.MAX_BYTES
+"""The largest swarm message (a 16 MiB piece plus its envelope): nothing bigger needs to cross."""
+MAX_CONTEXT_BYTES = 255
+_COUNTER_LIMIT = 1 << 64
+
+
+class Role(enum.Enum):
+    DIALER = 0
+    LISTENER = 1
+
+
+class Direction(enum.IntEnum):
+    """Which way a frame travels; part of every tag so a frame cannot be reflected back to its sender."""
+
+    DIALER_TO_LISTENER = 0
+    LISTENER_TO_DIALER = 1
+
+
+@message("dataplane.hello", max_bytes=128)
+@dataclass(frozen=True)
+class Hello(Message):
+    """A fresh ephemeral public key (compressed secp256k1) and nonce for this connection only."""
+
+    ephemeral_key: Annotated[bytes, ExactLen(EPHEMERAL_KEY_SIZE)]
+    nonce: Annotated[bytes, ExactLen(NONCE_SIZE)]
+
+
+@message("dataplane.auth", max_bytes=160)
+@dataclass(frozen=True)
+class Auth(Message):
+    """The sender's wallet address and its recoverable signature over the handshake transcript."""
+
+    signer: Address
+    signature: Annotated[bytes, ExactLen(SIGNATURE_SIZE)]
+
+
+@dataclass(frozen=True)
+class SessionKeys:
+    """What a finished handshake yields: who the peer is and the two directional frame keys."""
+
+    remote: Address
+    send_key: bytes
+    receive_key: bytes
+    send_direction: Direction
+    receive_direction: Direction
+
+
+def transcript_hash(context: str, dialer: Hello, listener: Hello) -> bytes:
+    """BLAKE3 of tag ‖ u8 len(context) ‖ context ‖ dialer key ‖ nonce ‖ listener key ‖ nonce."""
+    raw_context = _context_bytes(context)
+    return blake3(
+        PROTOCOL_TAG
+        + bytes([len(raw_context)])
+        + raw_context
+        + dialer.ephemeral_key
+        + dialer.nonce
+        + listener.ephemeral_key
+        + listener.nonce
+    )
+
+
+def listener_auth_digest(transcript: bytes, listener: Address) -> bytes:
+    return blake3(PROTOCOL_TAG + b"/listener-auth" + transcript + listener.raw)
+
+
+def dialer_auth_digest(transcript: bytes, listener: Address, dialer: Address) -> bytes:
+    return blake3(PROTOCOL_TAG + b"/dialer-auth" + transcript + listener.raw + dialer.raw)
+
+
+def derive_session_keys(shared_secret: bytes, transcript: bytes, dialer: Address, listener: Address) -> bytes:
+    """64 bytes: the dialer→listener key, then the listener→dialer key."""
+    hasher = _blake3.blake3(derive_key_context=KEY_CONTEXT)
+    hasher.update(shared_secret + transcript + dialer.raw + listener.raw)
+    return hasher.digest(length=2 * SECRET_SIZE)
+
+
+def _context_bytes(context: str) -> bytes:
+    raw = context.encode("utf-8")
+    if len(raw) > MAX_CONTEXT_BYTES:
+        raise LocalProtocolError("handshake context longer than 255 bytes", reason="bad_context")
+    return raw
+
+
+class _State(enum.Enum):
+    AWAIT_HELLO = enum.auto()
+    AWAIT_AUTH = enum.auto()
+    DONE = enum.auto()
+    FAILED = enum.auto()
+
+
+class Handshake:
+    """One side of the handshake. Feed it each handshake frame received; send the frames it returns.
+
+    The ephemeral secret and nonce are passed in (the caller draws them from the OS), so the machine is
+    deterministic under test. The dialer must name ``expected_peer``; a listener may (then any other
+    dialer is refused), otherwise it learns the dialer's address from ``result.remote``.
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        wallet: WalletKey,
+        *,
+        ephemeral_secret: bytes,
+        nonce: bytes,
+        context: str,
+        expected_peer: Address | None = None,
+    ) -> None:
+        if role is Role.DIALER and expected_peer is None:
+            raise LocalProtocolError("a dialer must know whom it dials", reason="no_expected_peer")
+        if len(nonce) != NONCE_SIZE:
+            raise LocalProtocolError("a handshake nonce is 32 bytes", reason="bad_nonce")
+        _context_bytes(context)
+        self.role = role
+        self._wallet = wallet
+        self._ephemeral = coincurve.PrivateKey(ephemeral_secret)
+        self._own_hello = Hello(self._ephemeral.public_key.format(compressed=True), nonce)
+        self._context = context
+        self._expected = expected_peer
+        self._state = _State.AWAIT_HELLO
+        self._peer_hello: Hello | None = None
+        self._transcript = b""
+        self.result: SessionKeys | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._state is _State.DONE
+
+    def initial_frames(self) -> list[bytes]:
+        """The dialer speaks first; the listener waits."""
+        return [encode(self._own_hello)] if self.role is Role.DIALER else []
+
+    def receive(self, frame: bytes) -> list[bytes]:
+        """Process one handshake frame; RemoteProtocolError (and a dead handshake) if it is wrong."""
+        if self._state in (_State.DONE, _State.FAILED):
+            raise LocalProtocolError(f"handshake is {self._state.name.lower()}", reason="handshake_over")
+        try:
+            if self._state is _State.AWAIT_HELLO:
+                return self._on_hello(decode(frame, Hello))
+            return self._on_auth(decode(frame, Auth))
+        except RemoteProtocolError:
+            self._state = _State.FAILED
+            raise
+
+    def _on_hello(self, hello: Hello) -> list[bytes]:
+        try:
+            coincurve.PublicKey(hello.ephemeral_key)
+        except (ValueError, TypeError) as exc:
+            raise RemoteProtocolError("peer's ephemeral key is not a curve point", reason="bad_key") from exc
+        if hello.ephemeral_key == self._own_hello.ephemeral_key:
+            raise RemoteProtocolError("peer echoed our own ephemeral key", reason="reflected_hello")
+        self._peer_hello = hello
+        self._state = _State.AWAIT_AUTH
+        if self.role is Role.DIALER:
+            self._transcript = transcript_hash(self._context, self._own_hello, hello)
+            return []
+        self._transcript = transcript_hash(self._context, hello, self._own_hello)
+        me = self._wallet.address
+        auth = Auth(me, self._wallet.sign_digest(listener_auth_digest(self._transcript, me)))
+        return [encode(self._own_hello), encode(auth)]
+
+    def _on_auth(self, auth: Auth) -> list[bytes]:
+        if self._expected is not None and auth.signer != self._expected:
+            raise RemoteProtocolError(
+                f"peer is {auth.signer}, expected {self._expected}", reason="wrong_peer"
+            )
+        me = self._wallet.address
+        if self.role is Role.DIALER:
+            listener, dialer = auth.signer, me
+            digest = listener_auth_digest(self._transcript, listener)
+        else:
+            listener, dialer = me, auth.signer
+            digest = dialer_auth_digest(self._transcript, listener, dialer)
+        try:
+            recovered = recover_address(digest, auth.signature)
+        except CryptoError as exc:
+            raise RemoteProtocolError(f"handshake signature invalid: {exc}", reason="bad_signature") from exc
+        if recovered != auth.signer:
+            raise RemoteProtocolError(
+                f"handshake signature is not {auth.signer}'s", reason="bad_signature"
+            )
+        out: list[bytes] = []
+        if self.role is Role.DIALER:
+            own = Auth(me, self._wallet.sign_digest(dialer_auth_digest(self._transcript, listener, me)))
+            out.append(encode(own))
+        assert self._peer_hello is not None
+        shared = self._ephemeral.ecdh(self._peer_hello.ephemeral_key)
+        keys = derive_session_keys(shared, self._transcript, dialer, listener)
+        to_listener, to_dialer = keys[:SECRET_SIZE], keys[SECRET_SIZE:]
+        if self.role is Role.DIALER:
+            self.result = SessionKeys(
+                auth.signer,
+                to_listener,
+                to_dialer,
+                Direction.DIALER_TO_LISTENER,
+                Direction.LISTENER_TO_DIALER,
+            )
+        else:
+            self.result = SessionKeys(
+                auth.signer,
+                to_dialer,
+                to_listener,
+                Direction.LISTENER_TO_DIALER,
+                Direction.DIALER_TO_LISTENER,
+            )
+        self._state = _State.DONE
+        return out
+
+
+def handshake_frame(message_bytes: bytes) -> bytes:
+    """A handshake message on the wire: u32 length ‖ codec bytes."""
+    return FRAME_HEADER.pack(len(message_bytes)) + message_bytes
+
+
+def handshake_length(header: bytes | bytearray) -> int:
+    """The length of the handshake frame whose header this is; refuses anything over 256 bytes."""
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > HANDSHAKE_MAX_FRAME:
+        raise RemoteProtocolError(
+            f"handshake frame of {length} bytes exceeds {HANDSHAKE_MAX_FRAME}", reason="frame_too_large"
+        )
+    return int(length)
+
+
+def frame_tag(key: bytes, direction: Direction, counter: int, body: bytes | bytearray | memoryview) -> bytes:
+    """Keyed BLAKE3 over direction ‖ u64 counter ‖ u32 length ‖ body."""
+    hasher = _blake3.blake3(key=key)
+    hasher.update(bytes([direction]) + counter.to_bytes(8, "big") + len(body).to_bytes(4, "big"))
+    hasher.update(body)
+    return hasher.digest()
+
+
+class FrameSealer:
+    """The sending half: numbers frames and tags them. Not thread-safe: one writer per connection."""
+
+    def __init__(self, key: bytes, direction: Direction, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self._key = key
+        self._direction = direction
+        self.max_frame = max_frame
+        self.counter = 0
+
+    def seal(self, body: bytes | bytearray | memoryview) -> tuple[bytes, bytes]:
+        """(header, tag) to send around ``body``; the caller sends header ‖ body ‖ tag, in that order."""
+        if len(body) > self.max_frame:
+            raise LocalProtocolError(
+                f"frame of {len(body)} bytes exceeds the cap of {self.max_frame}", reason="frame_too_large"
+            )
+        if self.counter >= _COUNTER_LIMIT:
+            raise LocalProtocolError("frame counter exhausted", reason="counter_exhausted")
+        tag = frame_tag(self._key, self._direction, self.counter, body)
+        self.counter += 1
+        return FRAME_HEADER.pack(len(body)), tag
+
+    def seal_wire(self, body: bytes) -> bytes:
+        header, tag = self.seal(body)
+        return header + body + tag
+
+
+class FrameOpener:
+    """The receiving half: checks lengths before anything is allocated, and each frame's tag in order.
+
+    After one bad frame the opener refuses everything: a connection that lost integrity is closed.
+    """
+
+    def __init__(self, key: bytes, direction: Direction, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self._key = key
+        self._direction = direction
+        self.max_frame = max_frame
+        self.counter = 0
+        self.broken = False
+
+    def body_length(self, header: bytes | bytearray | memoryview) -> int:
+        """The announced body length; RemoteProtocolError if it is over the cap (nothing is read or kept)."""
+        self._check_usable()
+        if len(header) != FRAME_HEADER.size:
+            raise RemoteProtocolError("frame header is 4 bytes", reason="truncated_frame")
+        (length,) = FRAME_HEADER.unpack(header)
+        if length > self.max_frame:
+            self.broken = True
+            raise RemoteProtocolError(
+                f"frame of {length} bytes exceeds the cap of {self.max_frame}", reason="frame_too_large"
+            )
+        return int(length)
+
+    def open(self, length: int, body: bytes | bytearray | memoryview, tag: bytes | bytearray) -> None:
+        """Accept ``body`` as the next frame or raise RemoteProtocolError (bad_mac, truncated_frame)."""
+        self._check_usable()
+        if len(body) != length or len(tag) != TAG_SIZE:
+            self.broken = True
+            raise RemoteProtocolError("frame shorter than announced", reason="truncated_frame")
+        expected = frame_tag(self._key, self._direction, self.counter, body)
+        if not hmac.compare_digest(expected, bytes(tag)):
+            self.broken = True
+            raise RemoteProtocolError(
+                f"frame {self.counter} fails its MAC (altered, replayed or reordered)", reason="bad_mac"
+            )
+        self.counter += 1
+
+    def open_wire(self, data: bytes) -> bytes:
+        """One whole frame as received (header ‖ body ‖ tag), checked; the body."""
+        length = self.body_length(data[: FRAME_HEADER.size])
+        end = FRAME_HEADER.size + length
+        if len(data) != end + TAG_SIZE:
+            self.broken = True
+            raise RemoteProtocolError(
+                f"frame is {len(data)} bytes, header announces {end + TAG_SIZE}", reason="truncated_frame"
+            )
+        body = data[FRAME_HEADER.size : end]
+        self.open(length, body, data[end:])
+        return body
+
+    def _check_usable(self) -> None:
+        if self.broken:
+            raise LocalProtocolError("channel already failed its integrity check", reason="channel_broken")

@@ -1,0 +1,88 @@
+"""Signed peer records: what a node says about itself in every heartbeat.
+
+A record names the node (address, peer ID), how to reach it (full ``/p2p/`` multiaddrs), what it does
+(role), what it can do (a small hardware summary), what it holds (checkpoint steps) and how busy it is.
+It travels as the payload of a gossip frame inside a signed ``Envelope``. Receivers accept it only if the
+envelope's signer, the record's address and the peer ID the transport authenticated all name one key: a
+peer can speak only for itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from crypto.errors import CryptoError
+from crypto.identity import address_from_peer_id
+from crypto.keys import Address
+from protocol.codec import IntRange, MaxLen, Message, decode, message
+from protocol.envelope import Envelope
+from protocol.errors import RemoteProtocolError
+
+ROLES = ("auto", "inferer", "validator", "seeder", "trainer")
+MAX_MULTIADDRS = 8
+MAX_MULTIADDR_CHARS = 256
+MAX_VERSIONS_HELD = 16
+MAX_PEER_ID_CHARS = 128
+_U31 = IntRange(0, (1 << 31) - 1)
+_U63 = IntRange(0, (1 << 63) - 1)
+
+
+@message("p2p.hardware", max_bytes=256)
+@dataclass(frozen=True)
+class HardwareSummary(Message):
+    """Enough for peers to guess what a node can take on; the node's own probe is the detailed truth."""
+
+    cpu_cores: Annotated[int, IntRange(0, 1 << 16)]
+    ram_mib: Annotated[int, _U31]
+    gpu_count: Annotated[int, IntRange(0, 1024)]
+    gpu_vram_mib: Annotated[int, _U31]
+
+
+@message("p2p.peer_record", max_bytes=4096)
+@dataclass(frozen=True)
+class PeerRecord(Message):
+    """One node's self-description as of one heartbeat."""
+
+    address: Address
+    peer_id: Annotated[str, MaxLen(MAX_PEER_ID_CHARS)]
+    role: Annotated[str, MaxLen(16)]
+    multiaddrs: Annotated[tuple[Annotated[str, MaxLen(MAX_MULTIADDR_CHARS)], ...], MaxLen(MAX_MULTIADDRS)]
+    hardware: HardwareSummary
+    versions_held: Annotated[tuple[Annotated[int, _U63], ...], MaxLen(MAX_VERSIONS_HELD)]
+    load_percent: Annotated[int, IntRange(0, 100)]
+    software_version: Annotated[str, MaxLen(32)]
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role[:16]!r}")
+        for multiaddr in self.multiaddrs:
+            if not multiaddr.startswith("/") or not multiaddr.endswith("/p2p/" + self.peer_id):
+                raise ValueError("every multiaddr must be a full /p2p/ address of the record's own peer")
+        try:
+            peer_address = address_from_peer_id(self.peer_id)
+        except CryptoError as exc:
+            raise ValueError(f"peer ID is not a wallet key's: {exc}") from exc
+        if peer_address != self.address:
+            raise ValueError("peer ID and address name different keys")
+
+
+def check_sender(envelope: Envelope, sender_peer_id: str) -> Address:
+    """The envelope must be signed by the key behind the peer ID the transport authenticated."""
+    try:
+        sender_address = address_from_peer_id(sender_peer_id)
+    except CryptoError as exc:
+        raise RemoteProtocolError(f"sender peer ID is not a wallet key: {exc}", reason="bad_peer_id") from exc
+    if envelope.signer != sender_address:
+        raise RemoteProtocolError(
+            f"message signed by {envelope.signer} but sent by {sender_address}", reason="signer_mismatch"
+        )
+    return sender_address
+
+
+def parse_peer_record(payload: bytes, signer: Address) -> PeerRecord:
+    """Decode a record and check it describes its signer (the envelope is already verified)."""
+    record = decode(payload, PeerRecord)
+    if record.address != signer:
+        raise RemoteProtocolError(f"record for {record.address} signed by {signer}", reason="signer_mismatch")
+    return record

@@ -1,0 +1,74 @@
+"""Swarm wire messages. They are transport-agnostic: each is one codec frame (bytes in, bytes out), so a
+libp2p stream, a raw authenticated TCP channel or the simulator can carry them.
+
+Every message names the manifest it is about, so one connection can carry several checkpoint versions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from crypto.digests import DIGEST_SIZE
+from protocol.codec import ExactLen, IntRange, MaxLen, Message, message
+from protocol.manifest import MAX_PIECE_SIZE, MAX_PIECES
+
+MAX_REASON_CHARS = 32
+PieceIndex = Annotated[int, IntRange(0, MAX_PIECES - 1)]
+ManifestId = Annotated[bytes, ExactLen(DIGEST_SIZE)]
+
+
+@message("swarm.bitfield", max_bytes=MAX_PIECES // 8 + 128)
+@dataclass(frozen=True)
+class Bitfield(Message):
+    """The pieces the sender holds (sent on connect; later ones only add pieces)."""
+
+    manifest_id: ManifestId
+    bits: Annotated[bytes, MaxLen(MAX_PIECES // 8)]
+
+
+@message("swarm.have", max_bytes=128)
+@dataclass(frozen=True)
+class Have(Message):
+    """The sender now holds (and has verified) piece ``index``."""
+
+    manifest_id: ManifestId
+    index: PieceIndex
+
+
+@message("swarm.request", max_bytes=128)
+@dataclass(frozen=True)
+class Request(Message):
+    """Please send piece ``index``."""
+
+    manifest_id: ManifestId
+    index: PieceIndex
+
+
+@message("swarm.cancel", max_bytes=128)
+@dataclass(frozen=True)
+class Cancel(Message):
+    """Forget my request for ``index`` (I got it elsewhere)."""
+
+    manifest_id: ManifestId
+    index: PieceIndex
+
+
+@message("swarm.reject", max_bytes=192)
+@dataclass(frozen=True)
+class Reject(Message):
+    """I will not serve ``index``; ``reason``: ``missing``, ``not_offered``, ``too_many_requests``, ..."""
+
+    manifest_id: ManifestId
+    index: PieceIndex
+    reason: Annotated[str, MaxLen(MAX_REASON_CHARS)]
+
+
+@message("swarm.piece", max_bytes=MAX_PIECE_SIZE + 128)
+@dataclass(frozen=True)
+class Piece(Message):
+    """The bytes of piece ``index``; the receiver checks them against the manifest before keeping them."""
+
+    manifest_id: ManifestId
+    index: PieceIndex
+    data: Annotated[bytes, MaxLen(MAX_PIECE_SIZE)]

@@ -1,0 +1,432 @@
+"""One node's part in the swarm of one checkpoint version: a sans-IO state machine.
+
+The caller owns connections, storage and time. It reports events (a peer connected or left, a message
+arrived, a piece it was asked to check passed or failed, an upload finished, time passed) and carries out
+the returned actions, in order:
+
+- ``Send(peer, message)``: encode and send one message.
+- ``Upload(peer, index)``: read piece ``index`` and send it as a ``Piece``; call ``upload_done`` after.
+- ``AbortUpload(peer, index)``: stop sending that piece if still sending (the peer cancelled it).
+- ``Verify(peer, index, data)``: check ``data`` against the manifest, store it if good, then call
+  ``piece_checked`` with the verdict. (Hashing is the caller's, so it can run off the event loop.)
+- ``Disconnect(peer, reason)``: close the connection; the peer is already forgotten here.
+- ``Completed()``: every piece is verified and stored.
+
+Protocol per connection: both sides send a ``Bitfield`` first, then ``Have`` for each piece they verify;
+the downloader sends ``Request``s (a few per peer), the uploader answers with ``Piece`` or ``Reject``;
+``Cancel`` withdraws a request. A peer that sends a piece failing its hash, or a piece nobody asked it
+for, is banned: disconnected and refused on reconnect, and its outstanding pieces are asked of others.
+
+Super-seeding (for the origin): instead of its full bitfield, the origin reveals to each peer only a
+few pieces, and while any piece has never been uploaded, each revealed piece is one nobody has received
+from it and that is revealed to no one else; requests for pieces not revealed are refused. So the origin
+uploads every piece once before it uploads any piece twice, and the swarm holds a full copy after one
+origin upload of F bytes. After that first pass it reveals the least-served pieces first.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from protocol.codec import Message
+from protocol.errors import RemoteProtocolError
+from protocol.swarm.messages import Bitfield, Cancel, Have, Piece, Reject, Request
+from protocol.swarm.picker import PickerLimits, PiecePicker
+from protocol.swarm.pieceset import from_wire, full_set, to_wire
+from protocol.swarm.uploader import UploadScheduler
+
+MAX_CANCELLED_REMEMBERED = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    peer: Hashable
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    peer: Hashable
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortUpload:
+    peer: Hashable
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    peer: Hashable
+    index: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnect:
+    peer: Hashable
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    pass
+
+
+Action = Send | Upload | AbortUpload | Verify | Disconnect | Completed
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """Tuning of one node; the defaults are what the simulator measured (docs/weight-swarm.md)."""
+
+    limits: PickerLimits = field(default_factory=PickerLimits)
+    upload_slots: int = 4
+    max_requests_from_peer: int = 8
+    super_seed: bool = False
+    reveal_per_peer: int = 2
+    request_timeout: float = 600.0
+    max_timeouts: int = 3
+    serve_laggards_first: bool = True
+
+
+@dataclass(slots=True)
+class PeerSession:
+    """What this node knows about one connected peer."""
+
+    bits: int = 0
+    requested_at: dict[int, float] = field(default_factory=dict)
+    cancelled: dict[int, None] = field(default_factory=dict)
+    timeouts: int = 0
+    revealed: set[int] = field(default_factory=set)
+    service_time: float = 0.0
+    """Moving average of request-to-arrival time: how quickly this peer answers us (0: no sample yet)."""
+
+
+class SwarmNode:
+    """See the module doc. ``have`` is the set of pieces already verified on disk (bit i = piece i)."""
+
+    def __init__(
+        self,
+        manifest_id: bytes,
+        piece_count: int,
+        *,
+        rng: random.Random,
+        config: SwarmConfig | None = None,
+        have: int = 0,
+    ) -> None:
+        self.manifest_id = manifest_id
+        self.piece_count = piece_count
+        self.full = full_set(piece_count)
+        self.rng = rng
+        self.config = config or SwarmConfig()
+        self.picker = PiecePicker(piece_count, rng, have=have, limits=self.config.limits)
+        self.uploads = UploadScheduler(
+            slots=self.config.upload_slots, per_peer=self.config.max_requests_from_peer
+        )
+        self.peers: dict[Hashable, PeerSession] = {}
+        self.banned: set[Hashable] = set()
+        self.super_seed = self.config.super_seed and self.picker.complete
+        self.served = [0] * piece_count
+        self.reveals = [0] * piece_count
+        self.never_served = piece_count
+
+    @property
+    def have(self) -> int:
+        return self.picker.have
+
+    @property
+    def complete(self) -> bool:
+        return self.picker.complete
+
+    # --- connection events -----------------------------------------------------------------------------
+
+    def connected(self, peer: Hashable, now: float) -> list[Action]:
+        if peer in self.banned:
+            return [Disconnect(peer, "banned")]
+        if peer in self.peers:
+            return []
+        self.peers[peer] = PeerSession()
+        self.picker.add_peer(peer)
+        if self.super_seed:
+            actions: list[Action] = [Send(peer, Bitfield(self.manifest_id, to_wire(0, self.piece_count)))]
+            return actions + self._reveal(peer)
+        return [Send(peer, Bitfield(self.manifest_id, to_wire(self.have, self.piece_count)))]
+
+    def disconnected(self, peer: Hashable, now: float) -> list[Action]:
+        if peer not in self.peers:
+            return []
+        self._forget(peer)
+        actions: list[Action] = self._start_uploads()
+        if self.super_seed:
+            actions += self._reveal_all()
+        return actions + self._fill_all(now)
+
+    def _forget(self, peer: Hashable) -> None:
+        session = self.peers.pop(peer)
+        for index in session.revealed:
+            self.reveals[index] -= 1
+        self.picker.remove_peer(peer)
+        self.uploads.drop_peer(peer)
+
+    def ban(self, peer: Hashable, reason: str, now: float) -> list[Action]:
+        """Disconnect ``peer`` and refuse it from now on (callers use it too, e.g. for undecodable frames)."""
+        self.banned.add(peer)
+        if peer in self.peers:
+            self._forget(peer)
+        actions: list[Action] = [Disconnect(peer, reason)]
+        actions += self._start_uploads()
+        if self.super_seed:
+            actions += self._reveal_all()
+        return actions + self._fill_all(now)
+
+    # --- messages --------------------------------------------------------------------------------------
+
+    def receive(self, peer: Hashable, message: Message, now: float) -> list[Action]:
+        """Handle one decoded message from ``peer``. Protocol violations disconnect the peer."""
+        if peer not in self.peers:
+            return []
+        if (
+            type(message) is Have
+            and message.manifest_id == self.manifest_id
+            and 0 <= message.index < self.piece_count
+        ):
+            return self._on_have(peer, message.index, now)  # the commonest message, on the fast path
+        if getattr(message, "manifest_id", None) != self.manifest_id:
+            return (
+                [Send(peer, Reject(self.manifest_id, 0, "wrong_manifest"))]
+                if isinstance(message, Request)
+                else []
+            )
+        try:
+            if isinstance(message, Have):
+                return self._on_have(peer, message.index, now)
+            if isinstance(message, Bitfield):
+                return self._on_bitfield(peer, from_wire(message.bits, self.piece_count), now)
+            if isinstance(message, Request):
+                return self._on_request(peer, message.index)
+            if isinstance(message, Cancel):
+                return self._on_cancel(peer, message.index)
+            if isinstance(message, Reject):
+                return self._on_reject(peer, message.index, now)
+            if isinstance(message, Piece):
+                return self.piece_arrived(peer, message.index, message.data, now)
+        except RemoteProtocolError as exc:
+            return self.ban(peer, exc.reason, now)
+        return []
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.piece_count:
+            raise RemoteProtocolError(f"piece {index} outside 0..{self.piece_count - 1}", reason="bad_index")
+
+    def _on_have(self, peer: Hashable, index: int, now: float) -> list[Action]:
+        self._check_index(index)
+        session = self.peers[peer]
+        session.bits |= 1 << index
+        picker = self.picker
+        picker.peer_has(peer, index)
+        actions: list[Action] = []
+        if self.super_seed and index in session.revealed:
+            session.revealed.discard(index)
+            self.reveals[index] -= 1
+            actions += self._reveal_all()
+        limits = picker.limits
+        if (
+            picker.needed
+            and picker.outstanding < limits.total
+            and len(picker.inflight[peer]) < limits.per_peer
+        ):
+            actions += self._requests(picker.fill((peer,)), now)
+        return actions
+
+    def _on_bitfield(self, peer: Hashable, bits: int, now: float) -> list[Action]:
+        session = self.peers[peer]
+        session.bits |= bits
+        self.picker.peer_has_all(peer, bits)
+        if self.super_seed:
+            return self._reveal(peer)
+        return self._requests(self.picker.fill((peer,)), now)
+
+    def _on_request(self, peer: Hashable, index: int) -> list[Action]:
+        self._check_index(index)
+        if not self.have >> index & 1:
+            return [Send(peer, Reject(self.manifest_id, index, "missing"))]
+        if self.super_seed and index not in self.peers[peer].revealed:
+            return [Send(peer, Reject(self.manifest_id, index, "not_offered"))]
+        if not self.uploads.request(peer, index):
+            return [Send(peer, Reject(self.manifest_id, index, "too_many_requests"))]
+        return self._start_uploads()
+
+    def _on_cancel(self, peer: Hashable, index: int) -> list[Action]:
+        self._check_index(index)
+        if self.uploads.cancel(peer, index):
+            return [AbortUpload(peer, index), *self._start_uploads()]
+        return []
+
+    def _on_reject(self, peer: Hashable, index: int, now: float) -> list[Action]:
+        self._check_index(index)
+        session = self.peers[peer]
+        if not self.picker.is_inflight(peer, index):
+            return []
+        session.requested_at.pop(index, None)
+        self.picker.request_failed(peer, index)
+        # It will not serve this piece: stop counting it as a holder, then ask the others.
+        session.bits &= ~(1 << index)
+        self.picker.peer_lacks(peer, index)
+        return self._fill_all(now)
+
+    def piece_arrived(self, peer: Hashable, index: int, data: bytes, now: float) -> list[Action]:
+        """A piece came in from ``peer``: ask the caller to verify it, ignore it, or ban the sender."""
+        self._check_index(index)
+        session = self.peers[peer]
+        if self.picker.is_inflight(peer, index):
+            return [Verify(peer, index, data)]
+        if index in session.cancelled or self.have >> index & 1:
+            return []  # we cancelled it, or end game delivered it twice: a race, not misbehaviour
+        raise RemoteProtocolError(
+            f"piece {index} was not requested from this peer", reason="unsolicited_piece"
+        )
+
+    # --- caller reports --------------------------------------------------------------------------------
+
+    def piece_checked(self, peer: Hashable, index: int, valid: bool, now: float) -> list[Action]:
+        """The verdict on a piece the caller was asked to verify (and, if valid, has stored)."""
+        if not valid:
+            if peer in self.peers:
+                return self.ban(peer, "corrupt_piece", now)
+            return self._fill_all(now)
+        session = self.peers.get(peer)
+        if session is not None:
+            asked = session.requested_at.pop(index, None)
+            if asked is not None:
+                sample = now - asked
+                session.service_time = (
+                    sample if not session.service_time else 0.7 * session.service_time + 0.3 * sample
+                )
+        if self.have >> index & 1:
+            self.picker.request_failed(peer, index)
+            return []
+        actions: list[Action] = []
+        for other in self.picker.completed(index):
+            if other == peer:
+                continue
+            other_session = self.peers[other]
+            other_session.requested_at.pop(index, None)
+            self._remember_cancel(other_session, index)
+            actions.append(Send(other, Cancel(self.manifest_id, index)))
+        have = Have(self.manifest_id, index)
+        full = self.full
+        actions += [Send(p, have) for p, s in self.peers.items() if s.bits != full]
+        if self.picker.complete:
+            actions.append(Completed())
+        return actions + self._fill_all(now)
+
+    def upload_done(self, peer: Hashable, index: int, now: float) -> list[Action]:
+        """An ``Upload`` finished sending (or was aborted by the caller)."""
+        if not self.uploads.finished(peer, index):
+            return self._start_uploads()
+        actions = self._start_uploads()
+        if self.super_seed:
+            self.served[index] += 1
+            if self.served[index] == 1:
+                self.never_served -= 1
+            session = self.peers.get(peer)
+            if session is not None and index in session.revealed:
+                session.revealed.discard(index)
+                self.reveals[index] -= 1
+            actions += (
+                self._reveal_all()
+                if self.never_served == 0 and self.served[index] == 1
+                else self._reveal(peer)
+            )
+        return actions
+
+    def tick(self, now: float) -> list[Action]:
+        """Time passed: requests unanswered for ``request_timeout`` are cancelled and asked elsewhere;
+        a peer that lets ``max_timeouts`` requests expire is disconnected."""
+        actions: list[Action] = []
+        expired = False
+        limit = now - self.config.request_timeout
+        for peer, session in list(self.peers.items()):
+            for index, asked in list(session.requested_at.items()):
+                if asked > limit:
+                    continue
+                expired = True
+                del session.requested_at[index]
+                self.picker.request_failed(peer, index)
+                self._remember_cancel(session, index)
+                actions.append(Send(peer, Cancel(self.manifest_id, index)))
+                session.timeouts += 1
+            if session.timeouts >= self.config.max_timeouts:
+                self._forget(peer)
+                actions.append(Disconnect(peer, "unresponsive"))
+        return actions + self._fill_all(now) if expired else actions
+
+    # --- internals -------------------------------------------------------------------------------------
+
+    def _remember_cancel(self, session: PeerSession, index: int) -> None:
+        session.cancelled[index] = None
+        if len(session.cancelled) > MAX_CANCELLED_REMEMBERED:
+            del session.cancelled[next(iter(session.cancelled))]
+
+    def _requests(self, picks: list[tuple[Hashable, int]], now: float) -> list[Action]:
+        actions: list[Action] = []
+        for peer, index in picks:
+            self.peers[peer].requested_at[index] = now
+            actions.append(Send(peer, Request(self.manifest_id, index)))
+        return actions
+
+    def _fill_all(self, now: float) -> list[Action]:
+        """Offer requests to the peers that have answered fastest first (untried peers count as fast), so
+        the end game's duplicate requests go where they finish soonest."""
+        if self.picker.complete or not self.peers:
+            return []
+        order = sorted(self.peers.items(), key=_by_service_time)
+        return self._requests(self.picker.fill([peer for peer, _ in order]), now)
+
+    def _start_uploads(self) -> list[Action]:
+        peer_bits = self.picker.peer_bits
+        if self.config.serve_laggards_first:
+            started = self.uploads.start_ready(lambda peer: peer_bits[peer].bit_count())
+        else:
+            started = self.uploads.start_ready(lambda peer: 0)
+        return [Upload(peer, index) for peer, index in started]
+
+    def _reveal_all(self) -> list[Action]:
+        actions: list[Action] = []
+        for peer in list(self.peers):
+            actions += self._reveal(peer)
+        return actions
+
+    def _reveal(self, peer: Hashable) -> list[Action]:
+        """Super-seeding: top up the pieces revealed to ``peer`` (see the module doc)."""
+        session = self.peers[peer]
+        actions: list[Action] = []
+        while len(session.revealed) < self.config.reveal_per_peer:
+            index = self._piece_to_reveal(session)
+            if index is None:
+                break
+            session.revealed.add(index)
+            self.reveals[index] += 1
+            actions.append(Send(peer, Have(self.manifest_id, index)))
+        return actions
+
+    def _piece_to_reveal(self, session: PeerSession) -> int | None:
+        lacking = [
+            i for i in range(self.piece_count) if not (session.bits >> i & 1) and i not in session.revealed
+        ]
+        if self.never_served:
+            # First pass: only pieces never uploaded and revealed to nobody else.
+            fresh = [i for i in lacking if self.served[i] == 0 and self.reveals[i] == 0]
+            return self.rng.choice(fresh) if fresh else None
+        if not lacking:
+            return None
+        least = min(self.served[i] + self.reveals[i] for i in lacking)
+        return self.rng.choice([i for i in lacking if self.served[i] + self.reveals[i] == least])
+
+
+def _by_service_time(item: tuple[Hashable, PeerSession]) -> float:
+    return item[1].service_time

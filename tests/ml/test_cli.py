@@ -1,0 +1,96 @@
+"""The commands as a user runs them: init-model, run-trainer and filter-tasks, including their errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from prime_node.ml.model import load_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prime_node", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_init_model_writes_a_loadable_directory_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "tiny"
+    done = _cli("init-model", "--tiny", str(out), "--no-warmup", "--seed", "4", "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["parameters"] > 100_000 and "warmup_steps" not in summary
+    assert load_model(out) is not None
+    again = _cli("init-model", "--tiny", str(out), "--no-warmup")
+    assert again.returncode == 1 and again.stderr.startswith("error:") and "not empty" in again.stderr
+    no_tiny = _cli("init-model", str(tmp_path / "other"))
+    assert no_tiny.returncode == 1 and "--tiny" in no_tiny.stderr
+
+
+def test_run_trainer_errors_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("eps_high = -1\n")
+    done = _cli("run-trainer", "--config", str(bad), "--local")
+    assert done.returncode == 1 and done.stderr.strip().count("\n") == 0 and "field eps_high" in done.stderr
+    good = tmp_path / "good.toml"
+    good.write_text(f'model_dir = "{tmp_path / "missing"}"\n')
+    done = _cli("run-trainer", "--config", str(good))
+    assert done.returncode == 1 and "--local" in done.stderr
+    done = _cli("run-trainer", "--config", str(good), "--local", "--output", str(tmp_path / "out"))
+    assert done.returncode == 1 and "does not exist" in done.stderr and done.stderr.strip().count("\n") == 0
+
+
+def test_run_trainer_local_and_filter_tasks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(
+        "group_size = 4\nprompts_per_step = 2\nmax_new_tokens = 4\neval_tasks = 10\nthreads = 1\n"
+        "[length_reward]\ncoef = 1.0\ntarget_tokens = 2\n"
+    )
+    out = tmp_path / "out"
+    done = _cli(
+        "run-trainer",
+        "--config",
+        str(config),
+        "--model",
+        str(tiny_model_dir),
+        "--local",
+        "--output",
+        str(out),
+        "--max-steps",
+        "2",
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["step"] for line in lines if "step" in line] == [1, 2]
+    assert [line["eval_step"] for line in lines if "eval_step" in line] == [0, 2]
+    assert (out / "checkpoints" / "step_00000002" / "model.safetensors").is_file()
+    kept = tmp_path / "kept.jsonl"
+    done = _cli(
+        "filter-tasks",
+        "--config",
+        str(config),
+        "--model",
+        str(tiny_model_dir),
+        "--limit",
+        "6",
+        "--samples",
+        "2",
+        "--lo",
+        "0",
+        "--hi",
+        "1",
+        "--out",
+        str(kept),
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert len(rows) == 6 and all(0 <= row["pass_rate"] <= 1 for row in rows)

@@ -1,0 +1,212 @@
+"""The piece store and checkpoint reading: verify on write, resume, atomic output, disk errors, retention."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from crypto.keys import WalletKey
+from prime_node.errors import NodeError
+from prime_node.swarm.checkpoint import (
+    SharedCheckpoint,
+    build_checkpoint,
+    choose_piece_size,
+    list_model_files,
+    read_piece_from_files,
+)
+from prime_node.swarm.piece_store import PROGRESS_FILE, PieceStore
+from prime_node.swarm.retention import apply_retention, held_versions
+from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
+from protocol.manifest import open_manifest
+from protocol.swarm.retention import HeldVersion, versions_to_drop
+
+KEY = WalletKey(bytes(31) + b"\x05")
+PIECE = 4096
+
+
+def share(tmp_path: Path, *, step: int = 1, seed: int = 0, name: str = "model") -> SharedCheckpoint:
+    source = write_model_dir(tmp_path / name, weight_bytes=60_000, seed=seed)
+    return build_checkpoint(
+        source, KEY, run="demo", step=step, now_ms=int(time.time() * 1000), piece_size=PIECE
+    )
+
+
+def fill(store: PieceStore, shared: SharedCheckpoint, indices: range | list[int]) -> None:
+    for index in indices:
+        assert store.write(index, read_piece_from_files(shared.directory, shared.manifest, index))
+
+
+def test_build_checkpoint_describes_the_directory(tmp_path: Path) -> None:
+    shared = share(tmp_path)
+    manifest = open_manifest(shared.envelope, trainer=KEY.address, run="demo", expected_id=shared.manifest_id)
+    files = read_tree(shared.directory)
+    assert [f.path for f in manifest.files] == sorted(files)
+    assert manifest.total_size == sum(len(v) for v in files.values())
+    stream = b"".join(files[name] for name in sorted(files))
+    pieces = [read_piece_from_files(shared.directory, manifest, i) for i in range(manifest.piece_count)]
+    assert b"".join(pieces) == stream
+    assert all(manifest.piece_is_valid(i, p) for i, p in enumerate(pieces))
+
+
+def test_directories_that_are_not_models_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NodeError) as empty:
+        list_model_files(tmp_path / "empty")
+    assert empty.value.reason == "not_a_model_dir"
+    with pytest.raises(NodeError):
+        list_model_files(tmp_path / "absent")
+    odd = write_model_dir(tmp_path / "odd")
+    (odd / "bad name.txt").write_text("x")
+    with pytest.raises(NodeError) as bad:
+        list_model_files(odd)
+    assert bad.value.reason == "bad_model_file"
+    with pytest.raises(NodeError):
+        choose_piece_size(10, 3000)
+    assert choose_piece_size(10) == 4 << 20
+
+
+def test_write_verifies_and_a_download_materializes_byte_identical(tmp_path: Path) -> None:
+    shared = share(tmp_path)
+    manifest = shared.manifest
+    store = PieceStore.open(tmp_path / "store", manifest)
+    good = read_piece_from_files(shared.directory, manifest, 0)
+    assert not store.write(0, b"\x00" + good[1:])
+    assert not store.write(0, good[:-1])
+    assert not store.has(0)
+    fill(store, shared, range(manifest.piece_count))
+    assert store.complete
+    store.materialize(tmp_path / "out")
+    assert read_tree(tmp_path / "out") == read_tree(shared.directory)
+    assert store.read(1) == read_piece_from_files(shared.directory, manifest, 1)
+
+
+def test_reopening_resumes_from_verified_pieces_only(tmp_path: Path) -> None:
+    shared = share(tmp_path)
+    manifest = shared.manifest
+    store = PieceStore.open(tmp_path / "store", manifest)
+    fill(store, shared, [0, 2, 3, 5])
+    with pytest.raises(NodeError) as busy:
+        PieceStore.open(tmp_path / "store", manifest)
+    assert busy.value.reason == "store_busy"
+    store.close()
+    again = PieceStore.open(tmp_path / "store", manifest)
+    assert again.have == store.have == 0b101101
+    again.close()
+    # Damage piece 2's bytes on disk: the re-check on open drops it.
+    with open(again.directory / "pieces.bin", "r+b") as handle:
+        handle.seek(2 * PIECE + 10)
+        handle.write(b"\xff\xff")
+    with PieceStore.open(tmp_path / "store", manifest) as damaged:
+        assert damaged.have == 0b101001
+    (again.directory / PROGRESS_FILE).write_bytes(b"garbage that is not a bitfield")
+    with PieceStore.open(tmp_path / "store", manifest) as garbled:
+        assert garbled.have == 0
+
+
+def test_output_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = share(tmp_path)
+    store = PieceStore.open(tmp_path / "store", shared.manifest)
+    out = tmp_path / "out"
+    with pytest.raises(NodeError) as incomplete:
+        store.materialize(out)
+    assert incomplete.value.reason == "incomplete" and not out.exists()
+    fill(store, shared, range(shared.manifest.piece_count))
+
+    real_fsync = os.fsync
+    calls = {"n": 0}
+
+    def failing_fsync(fd: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:  # after two files are already written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(NodeError) as full:
+        store.materialize(out)
+    assert full.value.reason == "disk_full"
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    store.materialize(out)
+    assert read_tree(out) == read_tree(shared.directory)
+    with pytest.raises(NodeError) as exists:
+        store.materialize(out)
+    assert exists.value.reason == "output_exists"
+
+
+def test_a_stale_partial_directory_from_a_killed_run_is_cleaned(tmp_path: Path) -> None:
+    shared = share(tmp_path)
+    store = PieceStore.open(tmp_path / "store", shared.manifest)
+    fill(store, shared, range(shared.manifest.piece_count))
+    stale = tmp_path / ".out.partial-abc123"
+    stale.mkdir()
+    (stale / "config.json").write_text("half")
+    store.materialize(tmp_path / "out")
+    assert not stale.exists()
+
+
+def test_disk_full_and_permission_denied_are_clear_and_leave_consistent_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = share(tmp_path)
+    manifest = shared.manifest
+
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(NodeError) as full:
+        PieceStore.open(tmp_path / "store", manifest)
+    assert full.value.reason == "disk_full"
+    assert "disk full" in str(full.value)
+    monkeypatch.undo()
+
+    store = PieceStore.open(tmp_path / "store", manifest)
+    fill(store, shared, [0])
+
+    def denied(fd: int, data: bytes, offset: int) -> int:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(os, "pwrite", denied)
+    with pytest.raises(NodeError) as perm:
+        store.write(1, read_piece_from_files(shared.directory, manifest, 1))
+    assert perm.value.reason == "permission_denied"
+    assert store.have == 0b1
+    monkeypatch.undo()
+    store.close()
+    with PieceStore.open(tmp_path / "store", manifest) as reopened:
+        assert reopened.have == 0b1
+
+
+def test_retention_keeps_the_newest_async_level_plus_one_steps(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    stores = []
+    for step in range(5):
+        shared = share(tmp_path, step=step, seed=step, name=f"model{step}")
+        stores.append(PieceStore.open(root, shared.manifest))
+    for store in stores[1:]:
+        store.close()
+    # Step 0 is still open in a "running" process: kept for now, step 1 goes.
+    assert [v.step for v in apply_retention(root, async_level=2)] == [1]
+    stores[0].close()
+    assert [v.step for v in apply_retention(root, async_level=2)] == [0]
+    assert sorted(v.step for v in held_versions(root)) == [2, 3, 4]
+    assert apply_retention(root, async_level=2) == []
+    (root / "junk").mkdir()
+    assert sorted(v.step for v in held_versions(root)) == [2, 3, 4]
+
+
+def test_retention_rule_is_per_run() -> None:
+    held = [HeldVersion("a", s, bytes([s])) for s in (1, 2, 3)] + [HeldVersion("b", 1, b"b")]
+    assert versions_to_drop(held, async_level=0) == [
+        HeldVersion("a", 1, b"\x01"),
+        HeldVersion("a", 2, b"\x02"),
+    ]
+    assert versions_to_drop(held, async_level=5) == []
+    with pytest.raises(ValueError):
+        versions_to_drop(held, async_level=-1)

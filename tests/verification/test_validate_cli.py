@@ -1,0 +1,80 @@
+"""`prime-node validate` as a user runs it: a real process, a real model directory, real batch files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from prime_node.ml.model import create_tiny_model, save_model_dir
+from prime_node.testing.adversary import build_scenario
+
+CONFIG = """
+run_id = "adversary"
+group_size = 4
+prompts_per_step = 2
+max_new_tokens = 12
+temperature = 1.0
+async_level = 2
+seed = 7
+"""
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_NODE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "prime_node", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("validate")
+    model, tokenizer = create_tiny_model(0)
+    save_model_dir(model, tokenizer, root / "model")
+    (root / "run.toml").write_text(CONFIG, encoding="utf-8")
+    scenario = build_scenario()  # the same seed-0 model, run id, shape and schedule seed as CONFIG
+    (root / "honest.batch").write_bytes(scenario.honest_frames(1)[0])
+    tampered = scenario.attack_frames("tampered_token", 2)[0]
+    (root / "tampered.batch").write_bytes(tampered)
+    (root / "cut.batch").write_bytes(tampered[: len(tampered) // 2])
+    return {"root": root, "model": root / "model", "config": root / "run.toml"}
+
+
+def validate(files: dict[str, Path], name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    batch = str(files["root"] / name)
+    return run("validate", batch, "--model", str(files["model"]), "--config", str(files["config"]), *extra)
+
+
+def test_an_honest_batch_file_is_accepted(files: dict[str, Path]) -> None:
+    result = validate(files, "honest.batch", "--json")
+    assert result.returncode == 0, result.stderr
+    verdict = json.loads(result.stdout)
+    assert verdict["accepted"] is True and verdict["reasons"] == [] and len(verdict["rewards"]) == 8
+
+
+def test_a_tampered_or_truncated_file_is_a_clear_rejection(files: dict[str, Path]) -> None:
+    tampered = validate(files, "tampered.batch")
+    assert tampered.returncode == 2 and "Traceback" not in tampered.stderr
+    assert tampered.stdout.startswith("rejected") and "sampling_mismatch" in tampered.stdout
+    cut = validate(files, "cut.batch", "--json")
+    assert cut.returncode == 2 and "Traceback" not in cut.stderr
+    assert json.loads(cut.stdout)["reasons"] == ["malformed_envelope"]
+
+
+def test_a_missing_model_is_one_line_of_error(files: dict[str, Path]) -> None:
+    result = run("validate", str(files["root"] / "honest.batch"), "--model", str(files["root"] / "nope"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "does not exist" in result.stderr
