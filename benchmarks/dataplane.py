@@ -1,9 +1,10 @@
 """Throughput of one connection on 127.0.0.1: raw trio TCP vs our authenticated channel vs libp2p Noise+yamux.
 
-Prints one JSON line. Each transport moves 256 MiB as 64 frames of 4 MiB from this process to a receiver
-in a separate process (each end gets its own core, as two machines would), three times; the best run
-counts (the machine is shared and noisy). Time runs from the first byte sent to the receiver's
-acknowledgement of the last frame; connection setup and handshakes are timed separately.
+Prints one JSON line. Each transport moves 512 MiB as 128 frames of 4 MiB from this process to a receiver
+in a separate process (each end gets its own core, as two machines would), three times (raw and channel
+runs interleaved); the best run counts (the machine is shared and noisy). Time runs from the first byte
+sent to the receiver's acknowledgement of the last frame; connection setup and handshakes are timed
+separately.
 
 - raw: u32 length ‖ body, the receiver reads into one reused buffer (no copy, no check): the ceiling.
 - channel: prime_node.dataplane (wallet-authenticated handshake, keyed-BLAKE3 MAC per frame), the
@@ -18,9 +19,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -32,7 +35,7 @@ from crypto.keys import WalletKey  # noqa: E402
 from prime_node.dataplane.channel import accept_channel, open_channel  # noqa: E402
 
 FRAME_SIZE = 4 << 20
-FRAME_COUNT = 64
+FRAME_COUNT = 128
 REPEATS = 3
 LIBP2P_PROTOCOL = "/prime-node/bench-dataplane/1"
 LIBP2P_TIMEOUT = 60.0
@@ -52,26 +55,35 @@ async def _recv_exactly(stream: trio.SocketStream, view: memoryview) -> None:
         filled += count
 
 
-async def _raw_receiver(listener: trio.SocketListener) -> None:
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _raw_receiver(listener: trio.SocketListener, cpu: list[float]) -> None:
     buffer = bytearray(FRAME_SIZE)
     header = bytearray(_HEADER)
     for _ in range(REPEATS):
         stream = await listener.accept()
+        started = _cpu_seconds()
         for _ in range(FRAME_COUNT):
             await _recv_exactly(stream, memoryview(header))
             length = int.from_bytes(header, "big")
             await _recv_exactly(stream, memoryview(buffer)[:length])
+        cpu.append(_cpu_seconds() - started)
         await stream.send_all(b"k")
         await stream.aclose()
 
 
-async def _channel_receiver(listener: trio.SocketListener, key: WalletKey) -> None:
+async def _channel_receiver(listener: trio.SocketListener, key: WalletKey, cpu: list[float]) -> None:
     for _ in range(REPEATS):
         stream = await listener.accept()
         channel = await accept_channel(stream, key)
+        started = _cpu_seconds()
         for _ in range(FRAME_COUNT):
             frame = await channel.receive_frame()
             assert len(frame) == FRAME_SIZE
+        cpu.append(_cpu_seconds() - started)
         await channel.send_frame(b"k")
         await channel.aclose()
 
@@ -80,10 +92,12 @@ async def _socket_child(mode: str) -> None:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     listener = listeners[0]
     print(listener.socket.getsockname()[1], flush=True)
+    cpu: list[float] = []
     if mode == "raw":
-        await _raw_receiver(listener)
+        await _raw_receiver(listener, cpu)
     else:
-        await _channel_receiver(listener, WalletKey(bytes.fromhex(os.environ["BENCH_KEY"])))
+        await _channel_receiver(listener, WalletKey(bytes.fromhex(os.environ["BENCH_KEY"])), cpu)
+    print(json.dumps(cpu), flush=True)
 
 
 async def _libp2p_child() -> None:
@@ -177,42 +191,97 @@ async def _send_libp2p(multiaddr: str, payload: bytes, key: WalletKey) -> list[t
     return runs
 
 
-def _measure(mode: str, payload: bytes) -> list[tuple[float, float]]:
-    receiver_key, sender_key = WalletKey.generate(), WalletKey.generate()
-    child, endpoint = _start_child(mode, receiver_key)
+def _stop(child: subprocess.Popen[str]) -> list[float]:
+    """Wait for a receiver; the CPU seconds it reported per run (empty if it reported nothing)."""
     try:
-        if mode == "libp2p":
-            return trio.run(_send_libp2p, endpoint, payload, sender_key)
-        runs = []
+        out, _ = child.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        return []
+    lines = out.strip().splitlines()
+    return [float(x) for x in json.loads(lines[-1])] if lines else []
+
+
+Run = tuple[float, float, float | None]
+"""(setup seconds, transfer seconds, sender CPU seconds during the transfer)"""
+
+
+def _timed(run: Callable[[], tuple[float, float]]) -> Run:
+    started = _cpu_seconds()
+    setup, seconds = run()
+    return setup, seconds, _cpu_seconds() - started
+
+
+def _measure_sockets(payload: bytes) -> tuple[dict[str, object], dict[str, object]]:
+    """Raw and channel runs interleaved (raw, channel, raw, ...), so load changes hit both alike."""
+    receiver_key, sender_key = WalletKey.generate(), WalletKey.generate()
+    raw_child, raw_port = _start_child("raw", receiver_key)
+    channel_child, channel_port = _start_child("channel", receiver_key)
+    raw_runs: list[Run] = []
+    channel_runs: list[Run] = []
+    try:
         for _ in range(REPEATS):
-            if mode == "raw":
-                runs.append(trio.run(_send_raw, int(endpoint), payload))
-            else:
-                runs.append(trio.run(_send_channel, int(endpoint), payload, sender_key, receiver_key))
-        return runs
+            raw_runs.append(_timed(lambda: trio.run(_send_raw, int(raw_port), payload)))
+            channel_runs.append(
+                _timed(
+                    lambda: trio.run(_send_channel, int(channel_port), payload, sender_key, receiver_key)
+                )
+            )
     finally:
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        raw_cpu = _stop(raw_child)
+        channel_cpu = _stop(channel_child)
+    return _summary(raw_runs, raw_cpu), _summary(channel_runs, channel_cpu)
 
 
-def _summary(runs: list[tuple[float, float]]) -> dict[str, float]:
+def _measure_libp2p(payload: bytes) -> dict[str, object]:
+    receiver_key, sender_key = WalletKey.generate(), WalletKey.generate()
+    child, multiaddr = _start_child("libp2p", receiver_key)
+    try:
+        runs = trio.run(_send_libp2p, multiaddr, payload, sender_key)
+    finally:
+        _stop(child)
+    return _summary([(setup, seconds, None) for setup, seconds in runs], [])
+
+
+def _summary(runs: list[Run], receiver_cpu: list[float]) -> dict[str, object]:
+    """Best-of throughput, every run's throughput, and CPU seconds per GiB moved at each end (the cost
+    that does not depend on how busy the shared machine is; best run of each)."""
     total = FRAME_SIZE * FRAME_COUNT
-    best = min(seconds for _, seconds in runs)
-    return {
+    gib = total / (1 << 30)
+    best = min(seconds for _, seconds, _ in runs)
+    summary: dict[str, object] = {
         "mb_per_s": round(total / best / 1e6, 1),
-        "mb_per_s_runs": [round(total / seconds / 1e6, 1) for _, seconds in runs],  # type: ignore[dict-item]
-        "setup_ms": round(min(setup for setup, _ in runs) * 1000, 2),
+        "mb_per_s_runs": [round(total / seconds / 1e6, 1) for _, seconds, _ in runs],
+        "setup_ms": round(min(setup for setup, _, _ in runs) * 1000, 2),
     }
+    sender_cpu = [cpu for _, _, cpu in runs if cpu is not None]
+    if sender_cpu:
+        summary["sender_cpu_s_per_gib"] = round(min(sender_cpu) / gib, 3)
+    if receiver_cpu:
+        summary["receiver_cpu_s_per_gib"] = round(min(receiver_cpu) / gib, 3)
+    return summary
+
+
+def _ratio(a: dict[str, object], b: dict[str, object]) -> float:
+    return round(float(a["mb_per_s"]) / float(b["mb_per_s"]), 3)  # type: ignore[arg-type]
+
+
+def _cpu_ratio(channel: dict[str, object], raw: dict[str, object]) -> float | None:
+    """The throughput ratio if each end had a core to itself: the busier end's CPU cost per GiB, raw over
+    channel. Unlike the wall-clock ratio it does not move with the load other users put on the machine."""
+    keys = ("sender_cpu_s_per_gib", "receiver_cpu_s_per_gib")
+    if not all(key in channel and key in raw for key in keys):
+        return None
+    busiest_raw = max(float(raw[key]) for key in keys)  # type: ignore[arg-type]
+    busiest_channel = max(float(channel[key]) for key in keys)  # type: ignore[arg-type]
+    return round(busiest_raw / busiest_channel, 3)
 
 
 def main() -> None:
     started = time.perf_counter()
     payload = os.urandom(FRAME_SIZE)
-    raw = _summary(_measure("raw", payload))
-    channel = _summary(_measure("channel", payload))
+    raw, channel = _measure_sockets(payload)
     result: dict[str, object] = {
         "benchmark": "dataplane",
         "python": platform.python_version(),
@@ -222,17 +291,18 @@ def main() -> None:
         "repeats": REPEATS,
         "raw_tcp": raw,
         "channel": channel,
-        "ratio_to_raw": round(channel["mb_per_s"] / raw["mb_per_s"], 3),
+        "ratio_to_raw": _ratio(channel, raw),
         "goal_ratio_to_raw": 0.5,
+        "cpu_ratio_to_raw": _cpu_ratio(channel, raw),
     }
     if "--skip-libp2p" in sys.argv:
         result["libp2p_noise_yamux"] = "skipped (--skip-libp2p)"
     else:
         try:
-            libp2p = _summary(_measure("libp2p", payload))
+            libp2p = _measure_libp2p(payload)
             result["libp2p_noise_yamux"] = libp2p
-            result["libp2p_ratio_to_raw"] = round(libp2p["mb_per_s"] / raw["mb_per_s"], 3)
-            result["channel_vs_libp2p"] = round(channel["mb_per_s"] / libp2p["mb_per_s"], 2)
+            result["libp2p_ratio_to_raw"] = _ratio(libp2p, raw)
+            result["channel_vs_libp2p"] = _ratio(channel, libp2p)
         except Exception as exc:  # report, don't hide: the other numbers still stand
             result["libp2p_noise_yamux"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
     result["wall_s"] = round(time.perf_counter() - started, 1)

@@ -276,9 +276,31 @@ def handshake_length(header: bytes | bytearray) -> int:
 def frame_tag(key: bytes, direction: Direction, counter: int, body: bytes | bytearray | memoryview) -> bytes:
     """Keyed BLAKE3 over direction ‖ u64 counter ‖ u32 length ‖ body."""
     hasher = _blake3.blake3(key=key)
-    hasher.update(bytes([direction]) + counter.to_bytes(8, "big") + len(body).to_bytes(4, "big"))
+    hasher.update(_tag_prefix(direction, counter, len(body)))
     hasher.update(body)
     return hasher.digest()
+
+
+def _tag_prefix(direction: Direction, counter: int, length: int) -> bytes:
+    return bytes([direction]) + counter.to_bytes(8, "big") + length.to_bytes(4, "big")
+
+
+class FrameCheck:
+    """The running tag of one incoming frame (see ``FrameOpener.begin``)."""
+
+    def __init__(self, key: bytes, direction: Direction, counter: int, length: int) -> None:
+        self.counter = counter
+        self.length = length
+        self.received = 0
+        self._hasher = _blake3.blake3(key=key)
+        self._hasher.update(_tag_prefix(direction, counter, length))
+
+    def update(self, chunk: bytes | bytearray | memoryview) -> None:
+        self.received += len(chunk)
+        self._hasher.update(chunk)
+
+    def digest(self) -> bytes:
+        return self._hasher.digest()
 
 
 class FrameSealer:
@@ -333,19 +355,30 @@ class FrameOpener:
             )
         return int(length)
 
-    def open(self, length: int, body: bytes | bytearray | memoryview, tag: bytes | bytearray) -> None:
-        """Accept ``body`` as the next frame or raise RemoteProtocolError (bad_mac, truncated_frame)."""
+    def begin(self, length: int) -> FrameCheck:
+        """Start checking the next frame of ``length`` bytes; feed its body as it arrives (hashing each
+        chunk while it is still in cache), then ``finish``."""
         self._check_usable()
-        if len(body) != length or len(tag) != TAG_SIZE:
+        return FrameCheck(self._key, self._direction, self.counter, length)
+
+    def finish(self, check: FrameCheck, tag: bytes | bytearray | memoryview) -> None:
+        """Accept the frame ``check`` saw or raise RemoteProtocolError (bad_mac, truncated_frame)."""
+        self._check_usable()
+        if check.counter != self.counter or check.received != check.length or len(tag) != TAG_SIZE:
             self.broken = True
             raise RemoteProtocolError("frame shorter than announced", reason="truncated_frame")
-        expected = frame_tag(self._key, self._direction, self.counter, body)
-        if not hmac.compare_digest(expected, bytes(tag)):
+        if not hmac.compare_digest(check.digest(), bytes(tag)):
             self.broken = True
             raise RemoteProtocolError(
                 f"frame {self.counter} fails its MAC (altered, replayed or reordered)", reason="bad_mac"
             )
         self.counter += 1
+
+    def open(self, length: int, body: bytes | bytearray | memoryview, tag: bytes | bytearray) -> None:
+        """Accept ``body`` as the next frame or raise RemoteProtocolError (bad_mac, truncated_frame)."""
+        check = self.begin(length)
+        check.update(body)
+        self.finish(check, tag)
 
     def open_wire(self, data: bytes) -> bytes:
         """One whole frame as received (header ‖ body ‖ tag), checked; the body."""

@@ -114,7 +114,7 @@ class RunConfig(_Strict):
     torch_seed: int = Field(0, ge=0, lt=1 << 63)
     """Seed of torch's generator in the trainer (initialisation of anything random)."""
     threads: int = Field(0, ge=0, le=1024)
-    """torch intra-op threads per process; 0 picks one per pipeline stage (or all cores if synchronous)."""
+    """torch intra-op threads per pipeline stage; 0 gives each stage half of this process's cores."""
     eval_every: int = Field(0, ge=0)
     """Greedy held-out evaluation every this many steps (0: only at start and end)."""
     eval_tasks: int = Field(200, ge=0)

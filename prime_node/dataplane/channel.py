@@ -25,6 +25,7 @@ from protocol.dataplane import (
     NONCE_SIZE,
     SECRET_SIZE,
     TAG_SIZE,
+    FrameCheck,
     FrameOpener,
     FrameSealer,
     Handshake,
@@ -85,12 +86,15 @@ class AuthenticatedChannel:
                     raise ChannelError(f"{self.remote} closed the channel", reason="closed")
                 length = self._opener.body_length(self._header)
                 body = bytearray(length)
-                await self._read_into(memoryview(body), allow_eof=False)
+                check = self._opener.begin(length)
+                await _read_exactly(self._stream, memoryview(body), allow_eof=False, check=check)
                 await self._read_into(memoryview(self._tag), allow_eof=False)
-                self._opener.open(length, body, self._tag)
+                self._opener.finish(check, self._tag)
             except ProtocolError as exc:
                 raise await self._fail(exc.reason, f"frame from {self.remote} refused: {exc}") from exc
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                if self.closed:  # closed on our side while a receive was waiting: not a failure
+                    raise ChannelError(f"channel to {self.remote} is closed", reason="closed") from exc
                 text = f"receiving from {self.remote} failed: {exc}"
                 raise await self._fail("connection_lost", text) from exc
             return bytes(body)
@@ -126,8 +130,11 @@ class AuthenticatedChannel:
         return ChannelError(text, reason=reason)
 
 
-async def _read_exactly(stream: trio.SocketStream, view: memoryview, *, allow_eof: bool) -> bool:
-    """Fill ``view`` from the socket. False at EOF before the first byte when ``allow_eof``."""
+async def _read_exactly(
+    stream: trio.SocketStream, view: memoryview, *, allow_eof: bool, check: FrameCheck | None = None
+) -> bool:
+    """Fill ``view`` from the socket, feeding ``check`` each chunk as it lands. False at EOF before the
+    first byte when ``allow_eof``."""
     filled = 0
     while filled < len(view):
         count = await stream.socket.recv_into(view[filled:])
@@ -135,6 +142,8 @@ async def _read_exactly(stream: trio.SocketStream, view: memoryview, *, allow_eo
             if allow_eof and filled == 0:
                 return False
             raise RemoteProtocolError("connection ended inside a frame", reason="truncated_frame")
+        if check is not None:
+            check.update(view[filled : filled + count])
         filled += count
     return True
 

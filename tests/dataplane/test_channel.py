@@ -1,0 +1,247 @@
+"""The authenticated channel over real TCP on 127.0.0.1: handshake, frames, and hostile peers."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from crypto.keys import WalletKey
+from prime_node.dataplane.channel import (
+    AuthenticatedChannel,
+    ChannelError,
+    accept_channel,
+    open_channel,
+    serve_channels,
+)
+from protocol.dataplane import FRAME_HEADER, HANDSHAKE_MAX_FRAME
+
+A, B, C = (WalletKey(hashlib.sha256(label).digest()) for label in (b"a", b"b", b"c"))
+
+
+async def _listener_outcome(
+    listener_key: WalletKey, body: Callable[[int, list[object]], Awaitable[None]], **options: object
+) -> list[object]:
+    """Run one ``accept_channel`` on a fresh port; ``body(port, outcome)`` plays the dialer. The outcome
+    list gets the accepted channel (or the ChannelError that refused it)."""
+    outcome: list[object] = []
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+
+    async def accept_one() -> None:
+        stream = await listeners[0].accept()
+        try:
+            outcome.append(await accept_channel(stream, listener_key, **options))  # type: ignore[arg-type]
+        except ChannelError as exc:
+            outcome.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept_one)
+        await body(port, outcome)
+    await listeners[0].aclose()
+    return outcome
+
+
+async def test_two_peers_authenticate_and_exchange_frames_both_ways() -> None:
+    received: list[tuple[object, bytes]] = []
+
+    async def echo(channel: AuthenticatedChannel) -> None:
+        async for frame in channel:
+            received.append((channel.remote, frame))
+            await channel.send_frame(frame[::-1])
+
+    frames = [b"", b"hello", os.urandom(1 << 20), os.urandom(100_000)]
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_channels, B, echo)
+        channel = await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+        assert channel.remote == B.address
+        for frame in frames:
+            await channel.send_frame(frame)
+            assert await channel.receive_frame() == frame[::-1]
+        await channel.aclose()
+        with trio.fail_after(5):
+            while len(received) < len(frames):
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert received == [(A.address, frame) for frame in frames]
+
+
+async def test_a_listener_with_the_wrong_wallet_is_refused(caplog: pytest.LogCaptureFixture) -> None:
+    async def dial(port: int, outcome: list[object]) -> None:
+        with pytest.raises(ChannelError) as caught:
+            await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+        assert caught.value.reason == "wrong_peer"
+
+    with caplog.at_level(logging.WARNING, logger="prime_node.dataplane"):
+        outcome = await _listener_outcome(C, dial)
+    assert isinstance(outcome[0], ChannelError)  # the listener saw the dialer hang up
+    assert "wrong_peer" in caplog.text
+
+
+async def test_a_listener_that_names_its_peer_refuses_another_dialer() -> None:
+    async def dial(port: int, outcome: list[object]) -> None:
+        with pytest.raises(ChannelError):
+            channel = await open_channel("127.0.0.1", port, C, expected_peer=B.address)
+            await channel.receive_frame()  # the listener closes once it sees who signed
+
+    outcome = await _listener_outcome(B, dial, expected_peer=A.address)
+    assert isinstance(outcome[0], ChannelError) and outcome[0].reason == "wrong_peer"
+
+
+async def _flipping_proxy(target_port: int, flip_at: int, task_status: Any) -> None:
+    """A man in the middle: forwards one connection both ways, flipping the byte at offset ``flip_at`` of
+    the dialer→listener direction."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    inbound = await listeners[0].accept()
+    outbound = await trio.open_tcp_stream("127.0.0.1", target_port)
+
+    async def pump(source: trio.SocketStream, sink: trio.SocketStream, flip: int | None) -> None:
+        seen = 0
+        try:
+            while chunk := await source.receive_some(1 << 16):
+                if flip is not None and seen <= flip < seen + len(chunk):
+                    edited = bytearray(chunk)
+                    edited[flip - seen] ^= 0x01
+                    chunk = bytes(edited)
+                seen += len(chunk)
+                await sink.send_all(chunk)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        await sink.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump, inbound, outbound, flip_at)
+        nursery.start_soon(pump, outbound, inbound, None)
+
+
+@pytest.mark.parametrize("flip_at", [10, 400, 4_000])
+async def test_a_man_in_the_middle_flipping_one_byte_is_detected(flip_at: int) -> None:
+    """Offset 10 lands in the dialer's hello, 400 in a data frame's header area or body, 4,000 deep in a
+    body (the handshake's dialer→listener side is ~240 bytes)."""
+    payload = os.urandom(8_000)
+
+    async def dial(port: int, outcome: list[object]) -> None:
+        async with trio.open_nursery() as nursery:
+            proxy_port = await nursery.start(_flipping_proxy, port, flip_at)
+            try:
+                channel = await open_channel("127.0.0.1", proxy_port, A, expected_peer=B.address)
+                await channel.send_frame(payload)
+                await channel.aclose()
+            except ChannelError:
+                pass  # a flip in the handshake may surface on the dialer's side first
+            with trio.fail_after(5):
+                while not outcome:
+                    await trio.sleep(0.01)
+            if isinstance(outcome[0], AuthenticatedChannel):
+                with pytest.raises(ChannelError) as caught:
+                    await outcome[0].receive_frame()
+                assert caught.value.reason in {"bad_mac", "frame_too_large", "truncated_frame"}
+                outcome.append("frame refused")
+            nursery.cancel_scope.cancel()
+
+    outcome = await _listener_outcome(B, dial)
+    assert outcome[-1] == "frame refused" or isinstance(outcome[0], ChannelError)
+    if flip_at >= 400:
+        assert outcome[-1] == "frame refused"
+
+
+async def test_an_oversized_length_is_refused_without_allocating_it() -> None:
+    async def dial(port: int, outcome: list[object]) -> None:
+        channel = await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+        with trio.fail_after(5):
+            while not outcome:
+                await trio.sleep(0.01)
+        listener_side = outcome[0]
+        assert isinstance(listener_side, AuthenticatedChannel)
+        await channel._stream.send_all(FRAME_HEADER.pack(0xFFFF_FFFF))  # a hostile peer's raw bytes
+        tracemalloc.start()
+        try:
+            with pytest.raises(ChannelError) as caught:
+                await listener_side.receive_frame()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert caught.value.reason == "frame_too_large"
+        assert peak < 1 << 20
+        assert listener_side.closed
+        await channel.aclose()
+
+    await _listener_outcome(B, dial)
+
+
+async def test_a_peer_hanging_up_inside_a_frame_is_a_truncation() -> None:
+    async def dial(port: int, outcome: list[object]) -> None:
+        channel = await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+        await channel._stream.send_all(FRAME_HEADER.pack(1000) + b"x" * 10)
+        await channel.aclose()
+        with trio.fail_after(5):
+            while not outcome:
+                await trio.sleep(0.01)
+        listener_side = outcome[0]
+        assert isinstance(listener_side, AuthenticatedChannel)
+        with pytest.raises(ChannelError) as caught:
+            await listener_side.receive_frame()
+        assert caught.value.reason == "truncated_frame"
+
+    await _listener_outcome(B, dial)
+
+
+async def test_an_oversized_handshake_frame_is_refused() -> None:
+    async def dial(port: int, outcome: list[object]) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(FRAME_HEADER.pack(HANDSHAKE_MAX_FRAME + 1))
+        with trio.fail_after(5):
+            assert await stream.receive_some(10) == b""  # the listener hung up
+        await stream.aclose()
+
+    outcome = await _listener_outcome(B, dial)
+    assert isinstance(outcome[0], ChannelError) and outcome[0].reason == "frame_too_large"
+
+
+async def test_a_silent_dialer_times_out(autojump_clock: trio.testing.MockClock) -> None:
+    async def dial(port: int, outcome: list[object]) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        with trio.fail_after(60):
+            while not outcome:
+                await trio.sleep(1)
+        await stream.aclose()
+
+    outcome = await _listener_outcome(B, dial)
+    assert isinstance(outcome[0], ChannelError) and outcome[0].reason == "handshake_timeout"
+
+
+async def test_closing_our_side_under_a_waiting_receive_is_a_clean_close() -> None:
+    async def dial(port: int, outcome: list[object]) -> None:
+        channel = await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+        errors: list[ChannelError] = []
+
+        async def receive() -> None:
+            try:
+                await channel.receive_frame()
+            except ChannelError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receive)
+            await trio.sleep(0.05)
+            await channel.aclose()
+        assert [e.reason for e in errors] == ["closed"]
+
+    await _listener_outcome(B, dial)
+
+
+async def test_dialing_a_closed_port_is_a_clear_error() -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    await listeners[0].aclose()
+    with pytest.raises(ChannelError) as caught:
+        await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+    assert caught.value.reason == "dial_failed"

@@ -1,0 +1,256 @@
+"""The data plane's pure parts: the wallet-authenticated handshake and the MAC'd frame layer."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from crypto.keys import WalletKey
+from protocol.codec import decode, encode
+from protocol.dataplane import (
+    FRAME_HEADER,
+    TAG_SIZE,
+    Auth,
+    Direction,
+    FrameOpener,
+    FrameSealer,
+    Handshake,
+    Hello,
+    Role,
+    SessionKeys,
+    dialer_auth_digest,
+    transcript_hash,
+)
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+
+
+def _key(label: str) -> WalletKey:
+    return WalletKey(hashlib.sha256(label.encode()).digest())
+
+
+DIALER, LISTENER, STRANGER = _key("dialer"), _key("listener"), _key("stranger")
+MAX_FRAME = 4096
+
+
+def _machines(
+    dialer: WalletKey = DIALER,
+    listener: WalletKey = LISTENER,
+    *,
+    expected_by_dialer: WalletKey = LISTENER,
+    expected_by_listener: WalletKey | None = None,
+    listener_context: str = "swarm",
+) -> tuple[Handshake, Handshake]:
+    d = Handshake(
+        Role.DIALER,
+        dialer,
+        ephemeral_secret=_key("eph-d").secret,
+        nonce=b"\x01" * 32,
+        context="swarm",
+        expected_peer=expected_by_dialer.address,
+    )
+    lst = Handshake(
+        Role.LISTENER,
+        listener,
+        ephemeral_secret=_key("eph-l").secret,
+        nonce=b"\x02" * 32,
+        context=listener_context,
+        expected_peer=None if expected_by_listener is None else expected_by_listener.address,
+    )
+    return d, lst
+
+
+def _transcript(d: Handshake, lst: Handshake) -> list[bytes]:
+    """Run both machines to completion; the frames in wire order (d→l, l→d, l→d, d→l)."""
+    frames: list[bytes] = []
+    (hello_d,) = d.initial_frames()
+    frames.append(hello_d)
+    hello_l, auth_l = lst.receive(hello_d)
+    frames += [hello_l, auth_l]
+    assert d.receive(hello_l) == []
+    (auth_d,) = d.receive(auth_l)
+    frames.append(auth_d)
+    assert lst.receive(auth_d) == []
+    return frames
+
+
+def test_handshake_authenticates_both_sides_and_agrees_on_keys() -> None:
+    d, lst = _machines()
+    _transcript(d, lst)
+    assert d.done and lst.done and d.result and lst.result
+    assert d.result.remote == LISTENER.address
+    assert lst.result.remote == DIALER.address
+    assert d.result.send_key == lst.result.receive_key != d.result.receive_key == lst.result.send_key
+    assert d.result.send_direction is Direction.DIALER_TO_LISTENER is lst.result.receive_direction
+
+
+def test_dialer_refuses_a_listener_with_another_wallet() -> None:
+    d, lst = _machines(listener=STRANGER)
+    (hello_d,) = d.initial_frames()
+    hello_l, auth_l = lst.receive(hello_d)
+    d.receive(hello_l)
+    with pytest.raises(RemoteProtocolError) as caught:
+        d.receive(auth_l)
+    assert caught.value.reason == "wrong_peer"
+    assert d.result is None
+    with pytest.raises(LocalProtocolError):
+        d.receive(auth_l)  # a failed handshake stays failed
+
+
+def test_listener_with_an_expected_peer_refuses_anyone_else() -> None:
+    d, lst = _machines(dialer=STRANGER, expected_by_listener=DIALER)
+    (hello_d,) = d.initial_frames()
+    hello_l, auth_l = lst.receive(hello_d)
+    d.receive(hello_l)
+    (auth_d,) = d.receive(auth_l)
+    with pytest.raises(RemoteProtocolError) as caught:
+        lst.receive(auth_d)
+    assert caught.value.reason == "wrong_peer"
+
+
+def test_a_different_context_fails_the_handshake() -> None:
+    d, lst = _machines(listener_context="rollouts")
+    (hello_d,) = d.initial_frames()
+    hello_l, auth_l = lst.receive(hello_d)
+    d.receive(hello_l)
+    with pytest.raises(RemoteProtocolError) as caught:
+        d.receive(auth_l)
+    assert caught.value.reason == "bad_signature"
+
+
+def test_a_claimed_address_without_its_signature_is_refused() -> None:
+    d, lst = _machines()
+    (hello_d,) = d.initial_frames()
+    hello_l, auth_l = lst.receive(hello_d)
+    d.receive(hello_l)
+    d.receive(auth_l)  # the dialer's genuine auth is withheld; a forgery claiming its address is sent
+    forged = Auth(DIALER.address, STRANGER.sign_digest(b"\x00" * 32))
+    with pytest.raises(RemoteProtocolError) as caught:
+        lst.receive(encode(forged))
+    assert caught.value.reason == "bad_signature"
+
+
+def test_a_relay_that_swaps_in_its_own_identity_gets_no_working_session() -> None:
+    """Identity misbinding: a relay forwards the dialer's traffic but signs the final auth as itself. The
+    listener then believes it talks to the relay, but its keys depend on the addresses, so no frame the
+    real dialer sends is accepted."""
+    d, lst = _machines()
+    (hello_d,) = d.initial_frames()
+    hello_l, auth_l = lst.receive(hello_d)
+    d.receive(hello_l)
+    d.receive(auth_l)
+    transcript = transcript_hash("swarm", decode(hello_d, Hello), decode(hello_l, Hello))  # relay saw both
+    relay_auth = Auth(
+        STRANGER.address,
+        STRANGER.sign_digest(dialer_auth_digest(transcript, LISTENER.address, STRANGER.address)),
+    )
+    lst.receive(encode(relay_auth))
+    assert lst.result is not None and d.result is not None
+    assert lst.result.remote == STRANGER.address
+    frame = FrameSealer(d.result.send_key, d.result.send_direction).seal_wire(b"piece bytes")
+    with pytest.raises(RemoteProtocolError) as caught:
+        _opener(lst.result).open_wire(frame)
+    assert caught.value.reason == "bad_mac"
+
+
+@given(message_index=st.integers(0, 3), position=st.integers(0, 10_000), bit=st.integers(0, 7))
+def test_any_bit_flip_in_the_handshake_fails_it(message_index: int, position: int, bit: int) -> None:
+    clean = _transcript(*_machines())
+    d, lst = _machines()
+    target = bytearray(clean[message_index])
+    target[position % len(target)] ^= 1 << bit
+    frames = list(clean)
+    frames[message_index] = bytes(target)
+    d.initial_frames()
+    with pytest.raises(RemoteProtocolError):
+        lst.receive(frames[0])
+        d.receive(frames[1])
+        d.receive(frames[2])
+        lst.receive(frames[3])
+
+
+def _pair(max_frame: int = MAX_FRAME) -> tuple[FrameSealer, FrameOpener]:
+    key = _key("session").secret
+    direction = Direction.DIALER_TO_LISTENER
+    return FrameSealer(key, direction, max_frame=max_frame), FrameOpener(key, direction, max_frame=max_frame)
+
+
+def _opener(keys: SessionKeys) -> FrameOpener:
+    return FrameOpener(keys.receive_key, keys.receive_direction)
+
+
+bodies = st.lists(st.binary(max_size=MAX_FRAME), min_size=1, max_size=5)
+
+
+@given(bodies)
+def test_frames_round_trip_in_order(sent: list[bytes]) -> None:
+    sealer, opener = _pair()
+    wire = [sealer.seal_wire(body) for body in sent]
+    assert [len(w) for w in wire] == [FRAME_HEADER.size + len(b) + TAG_SIZE for b in sent]
+    assert [opener.open_wire(w) for w in wire] == sent
+
+
+@given(body=st.binary(max_size=256), position=st.integers(0, 10_000), bit=st.integers(0, 7))
+def test_any_bit_flip_in_a_frame_is_rejected(body: bytes, position: int, bit: int) -> None:
+    sealer, opener = _pair()
+    wire = bytearray(sealer.seal_wire(body))
+    wire[position % len(wire)] ^= 1 << bit
+    with pytest.raises(RemoteProtocolError) as caught:
+        opener.open_wire(bytes(wire))
+    assert caught.value.reason in {"bad_mac", "truncated_frame", "frame_too_large"}
+    with pytest.raises(LocalProtocolError):  # the connection is dead after one bad frame
+        opener.open_wire(sealer.seal_wire(body))
+
+
+@given(body=st.binary(max_size=256), data=st.data())
+def test_any_truncation_is_rejected(body: bytes, data: st.DataObject) -> None:
+    sealer, opener = _pair()
+    wire = sealer.seal_wire(body)
+    cut = data.draw(st.integers(0, len(wire) - 1))
+    with pytest.raises(RemoteProtocolError) as caught:
+        opener.open_wire(wire[:cut])
+    assert caught.value.reason == "truncated_frame"
+
+
+@given(bodies)
+def test_a_replayed_frame_is_rejected(sent: list[bytes]) -> None:
+    sealer, opener = _pair()
+    wire = [sealer.seal_wire(body) for body in sent]
+    for w in wire:
+        opener.open_wire(w)
+    with pytest.raises(RemoteProtocolError) as caught:
+        opener.open_wire(wire[-1])
+    assert caught.value.reason == "bad_mac"
+
+
+@given(st.lists(st.binary(max_size=64), min_size=2, max_size=5, unique=True), st.data())
+def test_reordered_or_dropped_frames_are_rejected(sent: list[bytes], data: st.DataObject) -> None:
+    sealer, opener = _pair()
+    wire = [sealer.seal_wire(body) for body in sent]
+    skip = data.draw(st.integers(1, len(wire) - 1))  # deliver frame `skip` in place of frame 0
+    with pytest.raises(RemoteProtocolError) as caught:
+        opener.open_wire(wire[skip])
+    assert caught.value.reason == "bad_mac"
+
+
+def test_a_frame_reflected_back_to_its_sender_is_rejected() -> None:
+    d, lst = _machines()
+    _transcript(d, lst)
+    assert d.result is not None
+    sealed = FrameSealer(d.result.send_key, d.result.send_direction).seal_wire(b"x")
+    with pytest.raises(RemoteProtocolError):
+        _opener(d.result).open_wire(sealed)
+
+
+def test_oversized_lengths_are_refused_from_the_header_alone() -> None:
+    _, opener = _pair()
+    with pytest.raises(RemoteProtocolError) as caught:
+        opener.body_length(FRAME_HEADER.pack(MAX_FRAME + 1))
+    assert caught.value.reason == "frame_too_large"
+    sealer, _ = _pair()
+    with pytest.raises(LocalProtocolError):
+        sealer.seal(bytes(MAX_FRAME + 1))
+    at_cap = FrameOpener(b"k" * 32, Direction.DIALER_TO_LISTENER, max_frame=MAX_FRAME)
+    assert at_cap.body_length(FRAME_HEADER.pack(MAX_FRAME)) == MAX_FRAME
