@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -15,6 +15,9 @@ from prime_node.cli.options import (
     PasswordEnvOption,
     PasswordFileOption,
 )
+
+if TYPE_CHECKING:
+    from crypto.keys import WalletKey
 
 wallet_app = typer.Typer(
     help="Create and use the node's wallet key (its Ethereum address and libp2p identity).",
@@ -43,6 +46,20 @@ def _message_bytes(message: str, as_hex: bool) -> bytes:
     return parse_hex_bytes(message, what="message")
 
 
+def _print_identity(key: WalletKey, path: Path, as_json: bool) -> None:
+    from crypto.identity import peer_id_from_public_key
+
+    identity = {
+        "address": str(key.address),
+        "peer_id": peer_id_from_public_key(key.public_key),
+        "keystore": str(path),
+    }
+    if as_json:
+        typer.echo(json.dumps(identity))
+    else:
+        typer.echo(f"address  {identity['address']}\npeer id  {identity['peer_id']}\nkeystore {path}")
+
+
 @wallet_app.command("new")
 def new(
     keystore: KeystoreOption = None,
@@ -55,7 +72,6 @@ def new(
     as_json: JsonOption = False,
 ) -> None:
     """Create a new key and write it as an encrypted keystore (mode 0600). Never overwrites a file."""
-    from crypto.identity import peer_id_from_public_key
     from crypto.keys import WalletKey
     from prime_node.wallet_store import LIGHT_SCRYPT, PasswordSource, create_keystore
 
@@ -66,15 +82,9 @@ def new(
         create_keystore(path, key, password, scrypt=LIGHT_SCRYPT)
     else:
         create_keystore(path, key, password)
-    summary = {
-        "address": str(key.address),
-        "peer_id": peer_id_from_public_key(key.public_key),
-        "keystore": str(path),
-    }
-    if as_json:
-        typer.echo(json.dumps(summary))
-    else:
-        typer.echo(f"created keystore {path}\naddress  {summary['address']}\npeer id  {summary['peer_id']}")
+    if not as_json:
+        typer.echo(f"created keystore {path}")
+    _print_identity(key, path, as_json)
 
 
 @wallet_app.command("show")
@@ -86,20 +96,11 @@ def show(
     as_json: JsonOption = False,
 ) -> None:
     """Print the wallet's EIP-55 address and libp2p peer ID (unlocks the keystore to derive the peer ID)."""
-    from crypto.identity import peer_id_from_public_key
     from prime_node.wallet_store import PasswordSource, unlock_keystore
 
     path = _keystore_path(keystore)
     key = unlock_keystore(path, PasswordSource(password_file, password_env, no_password).resolve())
-    summary = {
-        "address": str(key.address),
-        "peer_id": peer_id_from_public_key(key.public_key),
-        "keystore": str(path),
-    }
-    if as_json:
-        typer.echo(json.dumps(summary))
-    else:
-        typer.echo(f"address  {summary['address']}\npeer id  {summary['peer_id']}\nkeystore {path}")
+    _print_identity(key, path, as_json)
 
 
 @wallet_app.command("sign")

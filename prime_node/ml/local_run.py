@@ -47,7 +47,7 @@ from prime_node.ml.checkpoint import (
     write_checkpoint,
 )
 from prime_node.ml.distributed import DistInfo
-from prime_node.ml.engine import SamplingParams, TorchEngine
+from prime_node.ml.engine import InferenceEngine, SamplingParams, TorchEngine
 from prime_node.ml.evaluation import encode_prompt, greedy_accuracy
 from prime_node.ml.model import load_model
 from prime_node.ml.rollout_log import RolloutLog
@@ -93,7 +93,7 @@ class LocalRunResult:
 
 
 def make_batch(
-    engine: TorchEngine,
+    engine: InferenceEngine,
     task: TaskSource,
     tokenizer: Any,
     config: RunConfig,
@@ -101,8 +101,13 @@ def make_batch(
     worker: Address,
     policy_step: int,
     batch_counter: int,
+    prove: Callable[[list[torch.Tensor]], list[bytes]] | None = None,
 ) -> RolloutBatch:
-    """Draw the scheduled tasks, sample each ``group_size`` times with its scheduled seeds, pack the batch."""
+    """Draw the scheduled tasks, sample each ``group_size`` times with its scheduled seeds, pack the batch.
+
+    With ``prove`` (e.g. ``prime_node.verification.proofs.build_proofs``) the engine also returns the final
+    hidden states and each sample carries its TOPLOC proof; without it the proof slot stays empty.
+    """
     pool = task.train_ids()
     drawn = schedule.draw(
         worker,
@@ -116,8 +121,16 @@ def make_batch(
     task_ids = [pool[i] for i in drawn.task_indices]
     prompts = [encode_prompt(tokenizer, task.prompt(t)) for t in task_ids for _ in range(config.group_size)]
     seeds = [s for group in drawn.seeds for s in group]
-    params = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature)
+    params = SamplingParams(
+        max_new_tokens=config.max_new_tokens, temperature=config.temperature, return_hidden=prove is not None
+    )
     completions = engine.generate(prompts, seeds, params)
+    proofs = [b""] * len(completions)
+    if prove is not None:
+        hiddens = [c.hidden for c in completions]
+        if any(h is None for h in hiddens):
+            raise NodeError("the engine returned no hidden states to prove", reason="engine_without_hidden")
+        proofs = prove([h for h in hiddens if h is not None])
     samples = tuple(
         RolloutSample(
             task_id=task_ids[i // config.group_size],
@@ -126,7 +139,7 @@ def make_batch(
             completion=pack_tokens(c.tokens),
             logprobs=pack_logprobs([min(v, 0.0) for v in c.logprobs]),
             finished=c.finished,
-            proof=b"",
+            proof=proofs[i],
         )
         for i, c in enumerate(completions)
     )

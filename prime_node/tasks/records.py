@@ -43,10 +43,10 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
     try:
-        import pyarrow.parquet as pq  # type: ignore[import-not-found, unused-ignore]
+        import pyarrow.parquet as pq
     except ImportError as exc:
         raise NodeError(
-            "reading parquet task files needs pyarrow (pip install pyarrow), or use JSONL",
+            "reading parquet task files needs pyarrow (pip install 'prime-node[parquet]'), or use JSONL",
             reason="missing_dependency",
         ) from exc
     try:

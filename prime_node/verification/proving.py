@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING, Any
 from crypto.keys import Address, WalletKey
 from prime_node.verification.proofs import build_proofs
 from prime_node.verification.validator import ROLLOUT_KIND
-from protocol import schedule
 from protocol.codec import encode
 from protocol.envelope import Domain, Envelope, seal
-from protocol.rollouts import FORMAT_VERSION, RolloutBatch, RolloutSample, pack_logprobs, pack_tokens
+from protocol.rollouts import RolloutBatch
 
 if TYPE_CHECKING:
     from prime_node.config import RunConfig
@@ -38,46 +37,17 @@ def proven_batch(
     batch_counter: int,
 ) -> RolloutBatch:
     """The scheduled batch for (worker, policy_step, batch_counter), every sample with its proof."""
-    from prime_node.ml.engine import SamplingParams
-    from prime_node.ml.evaluation import encode_prompt
+    from prime_node.ml.local_run import make_batch
 
-    pool = task.train_ids()
-    drawn = schedule.draw(
-        worker,
-        policy_step,
-        batch_counter,
-        config.seed,
-        pool_size=len(pool),
-        groups=config.prompts_per_step,
-        group_size=config.group_size,
-    )
-    task_ids = [pool[i] for i in drawn.task_indices for _ in range(config.group_size)]
-    prompts = [encode_prompt(tokenizer, task.prompt(t)) for t in task_ids]
-    seeds = [seed for group in drawn.seeds for seed in group]
-    params = SamplingParams(config.max_new_tokens, config.temperature, return_hidden=True)
-    completions = engine.generate(prompts, seeds, params)
-    proofs = build_proofs([c.hidden for c in completions if c.hidden is not None])
-    samples = tuple(
-        RolloutSample(
-            task_id=task_ids[i],
-            seed=seeds[i],
-            prompt=pack_tokens(prompts[i]),
-            completion=pack_tokens(c.tokens),
-            logprobs=pack_logprobs([min(v, 0.0) for v in c.logprobs]),
-            finished=c.finished,
-            proof=proofs[i],
-        )
-        for i, c in enumerate(completions)
-    )
-    return RolloutBatch(
-        FORMAT_VERSION,
-        config.run_id,
-        worker,
-        policy_step,
-        batch_counter,
-        config.temperature,
-        config.group_size,
-        samples,
+    return make_batch(
+        engine,
+        task,
+        tokenizer,
+        config,
+        worker=worker,
+        policy_step=policy_step,
+        batch_counter=batch_counter,
+        prove=build_proofs,
     )
 
 
