@@ -30,11 +30,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-HEARTBEAT_INTERVAL = 2.0
+DEFAULT_HEARTBEAT_INTERVAL = 2.0
 WINDOW = 10.0
 
 
-def _join(data_dir: Path, bootstrap: str | None) -> subprocess.Popen[bytes]:
+def _join(data_dir: Path, bootstrap: str | None, interval: float) -> subprocess.Popen[bytes]:
     args = [
         sys.executable,
         "-m",
@@ -47,7 +47,7 @@ def _join(data_dir: Path, bootstrap: str | None) -> subprocess.Popen[bytes]:
         "--run",
         "bench",
         "--heartbeat-interval",
-        str(HEARTBEAT_INTERVAL),
+        str(interval),
         "--new-wallet",
         "--no-password",
         "--light-kdf",
@@ -95,15 +95,15 @@ def _socket_bytes(pids: list[int]) -> int:
     return total
 
 
-def measure(n: int, timeout: float) -> dict[str, Any]:
+def measure(n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL) -> dict[str, Any]:
     processes: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="prime-node-discovery-") as root:
         try:
             dirs = [Path(root) / f"node{i}" for i in range(n)]
-            processes.append(_join(dirs[0], None))
+            processes.append(_join(dirs[0], None, interval))
             boot = _node_file(dirs[0], time.monotonic() + 60)
             started = time.monotonic()
-            processes += [_join(d, boot["multiaddrs"][0]) for d in dirs[1:]]
+            processes += [_join(d, boot["multiaddrs"][0], interval) for d in dirs[1:]]
             apis = [boot["api"]] + [_node_file(d, started + timeout)["api"] for d in dirs[1:]]
             all_up = time.monotonic() - started
             formed_at = None
@@ -117,12 +117,10 @@ def measure(n: int, timeout: float) -> dict[str, Any]:
                 "benchmark": "discovery",
                 "mode": "processes",
                 "n": n,
-                "heartbeat_interval_s": HEARTBEAT_INTERVAL,
+                "heartbeat_interval_s": interval,
                 "all_processes_listening_s": round(all_up, 2),
                 "all_see_all_s": None if formed_at is None else round(formed_at, 2),
-                "formation_vs_heartbeat": None
-                if formed_at is None
-                else round(formed_at / HEARTBEAT_INTERVAL, 2),
+                "formation_vs_heartbeat": None if formed_at is None else round(formed_at / interval, 2),
             }
             if formed_at is None:
                 result["healthy_peers_seen"] = healthy
@@ -161,10 +159,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL)
     args = parser.parse_args()
     os.environ.setdefault("PRIME_NODE_LOG_LEVEL", "error")
     for n in args.sizes:
-        print(json.dumps(measure(n, args.timeout)), flush=True)
+        print(json.dumps(measure(n, args.timeout, args.heartbeat_interval)), flush=True)
 
 
 if __name__ == "__main__":

@@ -40,3 +40,27 @@ def length_bonus(completion_tokens: int, *, target: int, coef: float) -> float:
     if coef == 0 or target <= 0:
         return 0.0
     return coef * max(0.0, 1.0 - abs(completion_tokens - target) / target)
+
+
+class ListedProblems:
+    """Tasks read from a file as (prompt, reference) pairs; every tenth one is held out for evaluation."""
+
+    def __init__(self, problems: Sequence[tuple[str, str]], *, name: str, kind: str) -> None:
+        if not problems:
+            raise NodeError(f"the {kind} task file holds no problems", reason="bad_task_file")
+        self.name = name
+        self._problems = list(problems)
+
+    def train_ids(self) -> Sequence[int]:
+        return [i for i in range(len(self._problems)) if i % 10 != 9] or [0]
+
+    def eval_ids(self) -> Sequence[int]:
+        return [i for i in range(len(self._problems)) if i % 10 == 9]
+
+    def _get(self, task_id: int) -> tuple[str, str]:
+        if not 0 <= task_id < len(self._problems):
+            raise unknown_task(self.name, task_id)
+        return self._problems[task_id]
+
+    def prompt(self, task_id: int) -> str:
+        return self._get(task_id)[0]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prime_node.errors import NodeError
-from prime_node.tasks.base import unknown_task
+from prime_node.tasks.base import ListedProblems
 from prime_node.tasks.records import read_records, require_text
 from prime_node.tasks.sandbox import run_python
 
@@ -29,7 +29,7 @@ def extract_code(completion: str) -> str:
     return str(blocks[-1]) if blocks else completion
 
 
-class CodeTask:
+class CodeTask(ListedProblems):
     def __init__(
         self,
         problems: Sequence[tuple[str, str]],
@@ -38,10 +38,7 @@ class CodeTask:
         memory_mb: int = 512,
         name: str = "code",
     ) -> None:
-        if not problems:
-            raise NodeError("the code task file holds no problems", reason="bad_task_file")
-        self.name = name
-        self._problems = list(problems)
+        super().__init__(problems, name=name, kind="code")
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
 
@@ -57,20 +54,6 @@ class CodeTask:
                 )
             )
         return cls(problems, timeout_s=timeout_s, memory_mb=memory_mb, name=f"code:{path.name}")
-
-    def train_ids(self) -> Sequence[int]:
-        return [i for i in range(len(self._problems)) if i % 10 != 9] or [0]
-
-    def eval_ids(self) -> Sequence[int]:
-        return [i for i in range(len(self._problems)) if i % 10 == 9]
-
-    def _get(self, task_id: int) -> tuple[str, str]:
-        if not 0 <= task_id < len(self._problems):
-            raise unknown_task(self.name, task_id)
-        return self._problems[task_id]
-
-    def prompt(self, task_id: int) -> str:
-        return self._get(task_id)[0]
 
     def record(self, task_id: int) -> dict[str, str]:
         """The task as a record of this class's file format (the filter writes these)."""

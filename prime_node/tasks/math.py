@@ -16,8 +16,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
 
-from prime_node.errors import NodeError
-from prime_node.tasks.base import unknown_task
+from prime_node.tasks.base import ListedProblems
 from prime_node.tasks.records import read_records, require_text
 
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
@@ -85,12 +84,9 @@ def answers_match(given: str, reference: str) -> bool:
     return x is not None and x == y
 
 
-class MathTask:
+class MathTask(ListedProblems):
     def __init__(self, problems: Sequence[tuple[str, str]], name: str = "math") -> None:
-        if not problems:
-            raise NodeError("the math task file holds no problems", reason="bad_task_file")
-        self.name = name
-        self._problems = list(problems)
+        super().__init__(problems, name=name, kind="math")
 
     @classmethod
     def from_file(cls, path: Path) -> MathTask:
@@ -101,20 +97,6 @@ class MathTask:
             answer = require_text(record, ("answer", "solution"), where)
             problems.append((question, last_boxed(answer) or answer))
         return cls(problems, name=f"math:{path.name}")
-
-    def train_ids(self) -> Sequence[int]:
-        return [i for i in range(len(self._problems)) if i % 10 != 9] or [0]
-
-    def eval_ids(self) -> Sequence[int]:
-        return [i for i in range(len(self._problems)) if i % 10 == 9]
-
-    def _get(self, task_id: int) -> tuple[str, str]:
-        if not 0 <= task_id < len(self._problems):
-            raise unknown_task(self.name, task_id)
-        return self._problems[task_id]
-
-    def prompt(self, task_id: int) -> str:
-        return self._get(task_id)[0]
 
     def answer(self, task_id: int) -> str:
         return self._get(task_id)[1]
