@@ -13,3 +13,15 @@ class NodeError(Exception):
     def __init__(self, message: str, *, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def first_node_error(exc: BaseException) -> NodeError | None:
+    """The NodeError inside an exception group (trio wraps task failures), if there is one."""
+    if isinstance(exc, NodeError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = first_node_error(inner)
+            if found is not None:
+                return found
+    return None

@@ -16,23 +16,11 @@ from collections.abc import Callable
 import trio
 
 from crypto.keys import WalletKey
-from prime_node.errors import NodeError
+from prime_node.errors import first_node_error
 from prime_node.node.service import Node
 from prime_node.node_config import NodeConfig
 
 SHUTDOWN_DEADLINE = 5.0
-
-
-def first_node_error(exc: BaseException) -> NodeError | None:
-    """The NodeError inside an exception group (trio wraps task failures), if there is one."""
-    if isinstance(exc, NodeError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = first_node_error(inner)
-            if found is not None:
-                return found
-    return None
 
 
 def run_node_until_signal(config: NodeConfig, key: WalletKey, *, echo: Callable[[str], None]) -> None:

@@ -23,7 +23,7 @@ import trio
 
 from crypto.identity import public_key_from_peer_id
 from crypto.keys import WalletKey
-from prime_node.errors import NodeError
+from prime_node.errors import NodeError, first_node_error
 from prime_node.p2p.interface import FramedStream, GossipHandler, GossipMessage, PeerAddresses, StreamHandler
 
 log = logging.getLogger(__name__)
@@ -299,17 +299,6 @@ def _bind_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def _own_error(exc: BaseException) -> NodeError | None:
-    if isinstance(exc, NodeError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _own_error(inner)
-            if found is not None:
-                return found
-    return None
-
-
 def _why_bind_fails(listen_addr: Any) -> str:
     """Reproduce the bind py-libp2p attempted, to tell the user why it failed."""
     import socket
@@ -408,7 +397,7 @@ async def open_libp2p_host(
             if body_error is not None:
                 raise body_error from None
             if not started:
-                own = _own_error(exc)
+                own = first_node_error(exc)
                 if own is not None:
                     raise own from None
                 bind = _bind_error(exc)
