@@ -11,26 +11,32 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
 from crypto.keys import WalletKey
 from prime_node.errors import first_node_error
-from prime_node.node.service import Node
+from prime_node.node.service import Node, NodeService
 from prime_node.node_config import NodeConfig
 
 SHUTDOWN_DEADLINE = 5.0
 
 
-def run_node_until_signal(config: NodeConfig, key: WalletKey, *, echo: Callable[[str], None]) -> None:
+def run_node_until_signal(
+    config: NodeConfig,
+    key: WalletKey,
+    *,
+    echo: Callable[[str], None],
+    services: Sequence[NodeService] = (),
+) -> None:
     from prime_node.p2p.libp2p_host import open_libp2p_host
 
     def open_host(wallet: WalletKey):  # type: ignore[no-untyped-def]
         return open_libp2p_host(wallet, config.listen)
 
     async def main() -> None:
-        node = Node(config, key, open_host)
+        node = Node(config, key, open_host, services=services)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -46,6 +46,19 @@ DIAL_YIELD_DELAY = 3.0
 DISCOVERY_WARMUP = 60.0
 
 HostOpener = Callable[[WalletKey], AbstractAsyncContextManager[P2PHost]]
+StatusSection = Callable[[], Any]
+
+
+class NodeService(Protocol):
+    """A role's or a subsystem's work inside a node (the weight swarm, a validator, an inferer...).
+
+    ``Node.run`` starts each service with ``nursery.start(service.run, node)`` once the host, gossip and
+    heartbeats are up, so a service may subscribe to topics and open streams at once; it reports ready
+    with ``task_status.started()`` and runs until the node's nursery is cancelled. A service shows itself
+    in ``prime-node status`` by adding a JSON-ready callable to ``node.status_sections``.
+    """
+
+    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,7 @@ class Node:
         scoring: ScoringConfig | None = None,
         write_node_file: bool = True,
         serve_api: bool = True,
+        services: Sequence[NodeService] = (),
     ) -> None:
         self.config = config
         self.key = key
@@ -83,6 +97,8 @@ class Node:
         self.scoring = scoring or ScoringConfig()
         self.write_node_file = write_node_file
         self.serve_api = serve_api
+        self.services = tuple(services)
+        self.status_sections: dict[str, StatusSection] = {}
         self.identity = NodeIdentity(str(key.address), peer_id_from_public_key(key.public_key))
         self.metrics = NodeMetrics()
         self.membership: Membership[PeerRecord] = Membership(
@@ -183,6 +199,8 @@ class Node:
                     nursery,
                     self._on_direct_heartbeat,
                 )
+                for service in self.services:
+                    await nursery.start(service.run, self)
                 if self.serve_api:
                     from prime_node.status.server import serve_status
 

@@ -56,10 +56,23 @@ def snapshot(node: Node) -> dict[str, Any]:
         "banned": banned,
         "counters": dict(sorted(node.metrics.counters.items())),
         "rejections": dict(sorted(node.metrics.rejections.items())),
+        "sections": _sections(node),
         "events": [
             {"at_s": round(e.at, 2), "kind": e.kind, "text": e.text} for e in list(node.metrics.events)[-30:]
         ],
     }
+
+
+def _sections(node: Node) -> dict[str, Any]:
+    """What the node's services report (role, checkpoints, rollouts, ...); one failing section is shown as
+    its error rather than breaking the whole snapshot."""
+    sections: dict[str, Any] = {}
+    for name, section in node.status_sections.items():
+        try:
+            sections[name] = section()
+        except Exception as exc:  # a status page must not take the node down
+            sections[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return sections
 
 
 def prometheus_text(data: dict[str, Any]) -> str:
