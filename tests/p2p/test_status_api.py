@@ -6,6 +6,7 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -58,3 +59,39 @@ async def test_status_api_serves_snapshot_metrics_and_refuses_the_rest(tmp_path:
     assert stopped["state"] == "stopped"
     with pytest.raises(NodeError, match="not running"):
         resolve_api_url(None, a.config.data_dir)
+
+
+class _CountingService:
+    """A node service that counts its own ticks and reports them as a status section."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self.node_seen: object = None
+
+    async def run(self, node: object, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.node_seen = node
+        node.status_sections["counting"] = lambda: {"ticks": self.ticks}  # type: ignore[attr-defined]
+        node.status_sections["broken"] = lambda: 1 // 0  # type: ignore[attr-defined]
+        task_status.started()
+        while True:
+            self.ticks += 1
+            await trio.sleep(0.05)
+
+
+async def test_services_run_inside_the_node_and_report_status_sections(tmp_path: Path) -> None:
+    network = MemoryNetwork()
+    service = _CountingService()
+    async with trio.open_nursery() as nursery:
+        node, scope = await start_node(nursery, network.host, make_config(tmp_path, 0), services=[service])
+        assert service.node_seen is node
+        await wait_until(lambda: service.ticks >= 3, timeout=10)
+        assert node.api_url is not None
+        data = await trio.to_thread.run_sync(fetch_snapshot, node.api_url)
+        assert data["sections"]["counting"]["ticks"] >= 3
+        assert data["sections"]["broken"] == {
+            "error": "ZeroDivisionError: integer division or modulo by zero"
+        }
+        scope.cancel()
+    ticks_at_stop = service.ticks
+    await trio.sleep(0.2)
+    assert service.ticks == ticks_at_stop
