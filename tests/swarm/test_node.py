@@ -219,7 +219,10 @@ message_strategy = st.one_of(
         st.tuples(
             st.sampled_from(["a", "b", "c"]),
             st.one_of(
-                message_strategy, st.sampled_from(["join", "leave"]), st.booleans(), st.floats(0, 1000)
+                message_strategy,
+                st.sampled_from(["join", "leave", "uploaded"]),
+                st.booleans(),
+                st.floats(0, 1000),
             ),
         ),
         max_size=40,
@@ -235,6 +238,9 @@ def test_hostile_message_sequences_never_crash_or_break_invariants(
             me.connected(peer, now)
         elif event == "leave":
             me.disconnected(peer, now)
+        elif event == "uploaded":  # the transport finished sending the oldest upload in progress
+            for p, index in sorted(me.uploads.active)[:1]:
+                me.upload_done(p, index, now)
         elif isinstance(event, bool):  # the caller's verdict on whatever it was last asked to verify
             for p, index in [(p, i) for p, s in me.picker.inflight.items() for i in s][:1]:
                 me.piece_checked(p, index, event, now)
@@ -251,3 +257,5 @@ def test_hostile_message_sequences_never_crash_or_break_invariants(
         assert len(me.uploads.active) <= me.config.upload_slots
         assert all(n <= me.config.max_requests_from_peer for n in me.uploads.per_peer_count.values())
         assert all(peer in me.peers for peer, _ in me.uploads.active)
+        if super_seed:
+            assert me.reveals == [sum(i in s.revealed for s in me.peers.values()) for i in range(PIECES)]
