@@ -10,9 +10,10 @@ install:
 install-dev:
 	bash scripts/install.sh dev
 
-# The embedded local swarm demo arrives with issue 7; until then the main job shows the command list.
+# The main job: a whole swarm on this machine (trainer, validator, inferers, a cheating inferer) trains a
+# tiny model until its held-out accuracy rises, then prints a summary (docs/quickstart.md).
 demo: install
-	$(BIN)/prime-node --help
+	$(BIN)/prime-node demo
 
 # Everything CI checks: the full test suite (slow tests included), then ruff and mypy.
 test: install-dev

@@ -224,9 +224,7 @@ def _measure_sockets(payload: bytes) -> tuple[dict[str, object], dict[str, objec
         for _ in range(REPEATS):
             raw_runs.append(_timed(lambda: trio.run(_send_raw, int(raw_port), payload)))
             channel_runs.append(
-                _timed(
-                    lambda: trio.run(_send_channel, int(channel_port), payload, sender_key, receiver_key)
-                )
+                _timed(lambda: trio.run(_send_channel, int(channel_port), payload, sender_key, receiver_key))
             )
     finally:
         raw_cpu = _stop(raw_child)

@@ -84,7 +84,8 @@ def summarize(checks: list[Any]) -> dict[str, Any]:
         "rejected_fraction": sum(ENGINE_THRESHOLDS.failure(c) is not None for c in checks) / len(checks),
         "rejected_fraction_reference_thresholds": sum(
             REFERENCE_THRESHOLDS.failure(c) is not None for c in checks
-        ) / len(checks),
+        )
+        / len(checks),
     }
 
 

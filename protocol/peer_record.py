@@ -52,6 +52,8 @@ class PeerRecord(Message):
     versions_held: Annotated[tuple[Annotated[int, _U63], ...], MaxLen(MAX_VERSIONS_HELD)]
     load_percent: Annotated[int, IntRange(0, 100)]
     software_version: Annotated[str, MaxLen(32)]
+    dataplane_port: Annotated[int, IntRange(0, 65535)] = 0
+    """TCP port of the node's data plane (weight-swarm pieces) on its multiaddrs' host; 0: none."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -22,6 +22,8 @@ COMMAND_MODULES = (
     "prime_node.cli.trainer",
     "prime_node.cli.node",
     "prime_node.cli.validate",
+    "prime_node.cli.swarm",
+    "prime_node.cli.demo",
 )
 
 log = logging.getLogger("prime_node")

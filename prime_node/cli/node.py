@@ -76,8 +76,27 @@ def join(
     light_kdf: Annotated[
         bool, typer.Option("--light-kdf", help="With --new-wallet: fast, weak scrypt (tests).")
     ] = False,
+    gpu: Annotated[
+        str, typer.Option("--gpu", help="GPUs this node may use: auto, none, or indices such as 0,1.")
+    ] = "auto",
+    trainer: Annotated[
+        str | None,
+        typer.Option(
+            "--trainer",
+            help="Pin the run's trainer address: believe only run announcements it signed. Without it "
+            "the first valid announcement is trusted (printed on stderr).",
+        ),
+    ] = None,
+    dataplane_port: Annotated[
+        int, typer.Option("--dataplane-port", help="TCP port of the weight-swarm data plane (0 = any).")
+    ] = 0,
+    adversary: Annotated[
+        str | None, typer.Option("--adversary", hidden=True, help="Demo/tests: cheat as this attack kind.")
+    ] = None,
 ) -> None:
-    """Start a node: join the swarm via a bootstrap peer, gossip signed heartbeats, serve the status API."""
+    """Start a node: join the swarm via a bootstrap peer, learn the run from its signed announcement, take
+    a role (inferer, validator or seeder: from hardware and demand, or pinned with --role), fetch and
+    re-serve checkpoints, and serve the status API."""
     from prime_node.errors import NodeError
     from prime_node.node_config import NodeConfig
     from prime_node.paths import KEYSTORE_ENV, default_data_dir
@@ -112,11 +131,71 @@ def join(
     parse_multiaddr(config.listen, need_peer_id=False)
     for address in config.bootstrap:
         parse_multiaddr(address, need_peer_id=True)
+    from prime_node.hardware import parse_gpu_selection
+
+    gpus = parse_gpu_selection(gpu)
+    pinned = _parse_trainer(trainer)
+    if adversary is not None:
+        from prime_node.testing.adversary import ATTACKS
+
+        if adversary not in ATTACKS:
+            raise NodeError(f"--adversary must be one of {', '.join(ATTACKS)}", reason="bad_config")
     password_source = PasswordSource(password_file, password_env, no_password)
     key = _load_or_create_key(keystore_path, password_source, create=new_wallet, light_kdf=light_kdf)
     from prime_node.node.runner import run_node_until_signal
+    from prime_node.roles.runner import RoleRunner
+    from prime_node.swarm.service import SwarmService
 
-    run_node_until_signal(config, key, echo=typer.echo)
+    swarm = SwarmService(
+        key=key,
+        run_id=config.run_id,
+        trainer=pinned,
+        store_dir=directory / "swarm",
+        dataplane_host=dataplane_host_for(config.listen),
+        dataplane_port=dataplane_port,
+        keep=3,
+    )
+
+    def trusted(announcement: Any, on_first_use: bool) -> None:
+        how = (
+            f"trusted on first use; pin it with --trainer {announcement.trainer}"
+            if on_first_use
+            else "pinned"
+        )
+        typer.echo(f"run {announcement.run_id}: trainer {announcement.trainer} ({how})", err=True)
+
+    runner = RoleRunner(
+        key=key,
+        run_id=config.run_id,
+        swarm=swarm,
+        data_dir=directory,
+        gpus=gpus,
+        pinned=role,
+        trainer=pinned,
+        adversary=adversary,
+        on_trusted=trusted,
+    )
+    run_node_until_signal(config, key, echo=typer.echo, services=[swarm, runner])
+
+
+def dataplane_host_for(listen: str) -> str:
+    """The data plane listens where libp2p does: loopback stays loopback, anything else on all addresses."""
+    return "127.0.0.1" if listen.startswith("/ip4/127.") else "0.0.0.0"
+
+
+def _parse_trainer(text: str | None) -> Any:
+    from crypto.errors import CryptoError
+    from crypto.keys import Address
+    from prime_node.errors import NodeError
+
+    if text is None:
+        return None
+    try:
+        return Address.parse(text)
+    except (CryptoError, ValueError) as exc:
+        raise NodeError(
+            f"--trainer {text[:48]!r} is not an Ethereum address: {exc}", reason="bad_config"
+        ) from None
 
 
 def _load_or_create_key(path: Path, source: Any, *, create: bool, light_kdf: bool) -> Any:

@@ -7,9 +7,28 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+from prime_node.cli.network_options import (
+    AnnounceOption,
+    ApiPortOption,
+    BootstrapOption,
+    BootstrapTimeoutOption,
+    DataDirOption,
+    DataplanePortOption,
+    HeartbeatOption,
+    LightKdfOption,
+    ListenOption,
+    NewWalletOption,
+)
+from prime_node.cli.options import (
+    KeystoreOption,
+    NoPasswordOption,
+    PasswordEnvOption,
+    PasswordFileOption,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -31,8 +50,30 @@ def run_trainer(
         Path | None, typer.Option("--output", help="Output directory (overrides output_dir).")
     ] = None,
     max_steps: Annotated[int | None, typer.Option("--max-steps", min=0, help="Override max_steps.")] = None,
+    bootstrap: BootstrapOption = None,
+    listen: ListenOption = "/ip4/0.0.0.0/tcp/4001",
+    announce: AnnounceOption = None,
+    data_dir: DataDirOption = None,
+    api_port: ApiPortOption = 0,
+    heartbeat_interval: HeartbeatOption = 2.0,
+    bootstrap_timeout: BootstrapTimeoutOption = 30.0,
+    dataplane_port: DataplanePortOption = 0,
+    keystore: KeystoreOption = None,
+    password_file: PasswordFileOption = None,
+    password_env: PasswordEnvOption = None,
+    no_password: NoPasswordOption = False,
+    new_wallet: NewWalletOption = False,
+    light_kdf: LightKdfOption = False,
+    exit_when_done: Annotated[
+        bool,
+        typer.Option("--exit-when-done", help="Networked: exit after max_steps (default: keep seeding)."),
+    ] = False,
 ) -> None:
-    """Train with GRPO; resumes from the newest checkpoint in the output directory."""
+    """Train with GRPO; resumes from the newest checkpoint in the output directory.
+
+    Without --local this is the networked trainer node: it must hold the run's trainer key, shares each
+    policy through the weight swarm, gossips the signed run config, and trains only on batches its
+    trusted validators accepted. Networking flags are those of `join`."""
     from prime_node.config import load_run_config
     from prime_node.errors import NodeError
 
@@ -45,10 +86,12 @@ def run_trainer(
         overrides["max_steps"] = max_steps
     run = load_run_config(config, overrides=overrides)  # fail fast, before spawning anything
     if not local:
-        raise NodeError(
-            "the networked trainer needs the swarm layer; run with --local for in-process rollouts",
-            reason="not_available",
-        )
+        if nproc > 1:
+            raise NodeError(
+                "--nproc needs --local (the networked trainer is one process)", reason="bad_config"
+            )
+        _networked(run, locals())
+        return
     args = ["--config", str(config)] + [
         arg for key, value in overrides.items() for arg in (f"--{key.replace('_', '-')}", str(value))
     ]
@@ -86,3 +129,65 @@ def run_trainer(
     )
     for point in result.evals:
         typer.echo(json.dumps({"eval_step": point.step, "heldout_greedy_accuracy": point.accuracy}))
+
+
+def _networked(run: Any, flags: dict[str, Any]) -> None:
+    """The networked trainer node (prime_node/roles/trainer_node.py)."""
+    from prime_node.cli.network_options import network_config
+    from prime_node.cli.node import _load_or_create_key, dataplane_host_for
+    from prime_node.errors import NodeError
+    from prime_node.paths import KEYSTORE_ENV, default_data_dir
+    from prime_node.roles.trainer_node import build_trainer_node, run_trainer_node
+    from prime_node.wallet_store import PasswordSource
+
+    directory = flags["data_dir"] if flags["data_dir"] is not None else default_data_dir()
+    node_config = network_config(
+        listen=flags["listen"],
+        announce=flags["announce"],
+        bootstrap=flags["bootstrap"],
+        data_dir=directory,
+        api_port=flags["api_port"],
+        run=run.run_id,
+        heartbeat_interval=flags["heartbeat_interval"],
+        bootstrap_timeout=flags["bootstrap_timeout"],
+    )
+    keystore_path = flags["keystore"] or (
+        Path(os.environ[KEYSTORE_ENV]) if os.environ.get(KEYSTORE_ENV) else directory / "keystore.json"
+    )
+    source = PasswordSource(flags["password_file"], flags["password_env"], flags["no_password"])
+    try:
+        key = _load_or_create_key(
+            keystore_path, source, create=flags["new_wallet"], light_kdf=flags["light_kdf"]
+        )
+    except NodeError as exc:
+        if exc.reason != "no_keystore":
+            raise
+        raise NodeError(
+            f"{exc}; the networked trainer needs the run's trainer key (for an in-process run without "
+            "network or key, pass --local)",
+            reason=exc.reason,
+        ) from None
+
+    def on_step(m: Any) -> None:
+        typer.echo(
+            json.dumps(
+                {
+                    "step": m.step,
+                    "policy_step": m.policy_step,
+                    "reward": round(m.reward_mean, 4),
+                    "groups_kept": m.groups_kept,
+                    "loss": round(m.loss, 5),
+                    "grad_norm": round(m.grad_norm, 4),
+                }
+            )
+        )
+
+    parts = build_trainer_node(
+        node_config,
+        run,
+        key,
+        dataplane_host=dataplane_host_for(node_config.listen),
+        dataplane_port=flags["dataplane_port"],
+        on_step=on_step,
+    )
+    run_trainer_node(node_config, parts, key, echo=typer.echo, exit_when_done=flags["exit_when_done"])

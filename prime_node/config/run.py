@@ -11,7 +11,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -121,6 +121,14 @@ class RunConfig(_Strict):
     """Held-out tasks per evaluation."""
     keep_checkpoints: int = Field(0, ge=0)
     """Checkpoints kept on disk; never fewer than async_level + 1 (stale batches need their policy)."""
+    trusted_validators: tuple[Annotated[str, Field(pattern=r"^0x[0-9a-fA-F]{40}$")], ...] = Field(
+        (), max_length=64
+    )
+    """Addresses of the validators whose signed verdicts the trainer counts. A networked trainer refuses
+    to start with none (it would have no way to tell honest rollouts from forged ones); local runs
+    ignore it."""
+    verdict_quorum: int = Field(1, ge=1, le=64)
+    """Distinct trusted validators that must accept a batch (and none reject it) before it is trained on."""
 
     @field_validator("adam_betas")
     @classmethod
@@ -128,6 +136,28 @@ class RunConfig(_Strict):
         if not all(0 <= b < 1 for b in value):
             raise ValueError("each beta must lie in [0, 1)")
         return value
+
+    @field_validator("trusted_validators")
+    @classmethod
+    def _checksummed(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from crypto.errors import CryptoError
+        from crypto.keys import Address
+
+        for text in value:
+            try:
+                Address.parse(text)
+            except CryptoError as exc:
+                raise ValueError(str(exc)) from exc
+        return value
+
+    @model_validator(mode="after")
+    def _reachable_quorum(self) -> RunConfig:
+        if self.trusted_validators and self.verdict_quorum > len(set(self.trusted_validators)):
+            raise ValueError(
+                f"verdict_quorum {self.verdict_quorum} exceeds the "
+                f"{len(set(self.trusted_validators))} distinct trusted validators"
+            )
+        return self
 
     @property
     def samples_per_step(self) -> int:

@@ -7,6 +7,7 @@ real checkpoint. Weights are only ever read from safetensors, never from pickle 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,8 @@ from prime_node.errors import NodeError
 
 if TYPE_CHECKING:
     import torch
+
+_LOAD_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -85,9 +88,10 @@ def load_model(model_dir: Path, *, device: str = "cpu") -> Any:
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     check_model_dir(model_dir)
     try:
-        model: Any = AutoModelForCausalLM.from_pretrained(  # type: ignore[arg-type, unused-ignore]
-            str(model_dir), local_files_only=True, use_safetensors=True, dtype="float32"
-        )
+        with _LOAD_LOCK:  # from_pretrained swaps process-wide init state (meta device): one at a time
+            model: Any = AutoModelForCausalLM.from_pretrained(  # type: ignore[arg-type, unused-ignore]
+                str(model_dir), local_files_only=True, use_safetensors=True, dtype="float32"
+            )
     except (OSError, ValueError, KeyError) as exc:
         raise NodeError(f"cannot load a model from {model_dir}: {exc}", reason="bad_model_dir") from exc
     model.to(device)

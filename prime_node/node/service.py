@@ -68,15 +68,10 @@ class NodeIdentity:
 
 
 def local_hardware() -> HardwareSummary:
-    """A cheap summary for heartbeats (the full probe belongs to the roles work)."""
-    cores = os.cpu_count() or 0
-    try:
-        ram_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
-    except (ValueError, OSError, AttributeError):
-        ram_mib = 0
-    return HardwareSummary(
-        cpu_cores=min(cores, 1 << 16), ram_mib=min(ram_mib, (1 << 31) - 1), gpu_count=0, gpu_vram_mib=0
-    )
+    """The heartbeat's hardware summary: the probe of all visible GPUs (count, total VRAM), cores, RAM."""
+    from prime_node.hardware import GpuSelection, probe, to_summary
+
+    return to_summary(probe(GpuSelection("auto")))
 
 
 class Node:
@@ -107,6 +102,7 @@ class Node:
         self.hardware = local_hardware()
         self.versions_held: tuple[int, ...] = ()
         self.load_percent = 0
+        self.dataplane_port = 0  # set by the weight swarm's service before the first heartbeat
         self.api_url: str | None = None
         self.bootstrapped = trio.Event()
         self._latency_ms: dict[str, int] = {}
@@ -167,6 +163,7 @@ class Node:
             versions_held=self.versions_held,
             load_percent=self.load_percent,
             software_version=__version__,
+            dataplane_port=self.dataplane_port,
         )
 
     def advertised_multiaddrs(self) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from prime_node.status.section_metrics import section_lines
+
 if TYPE_CHECKING:
     from prime_node.node.service import Node
 
@@ -97,4 +99,5 @@ def prometheus_text(data: dict[str, Any]) -> str:
     lines.append("# TYPE prime_node_rejections_total counter")
     for reason, value in data["rejections"].items():
         lines.append(f'prime_node_rejections_total{{reason="{reason}"}} {value}')
+    lines += section_lines(data.get("sections"))
     return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""The rich view of a node's status: identity, peers, gossip and byte rates, recent events."""
+"""The rich view of a node's status: identity, rates, the services' sections, peers, recent events."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from prime_node.errors import NodeError
+from prime_node.status.sections import section_rates, sections_view
+from prime_node.status.values import as_dict, as_int, as_list, as_num, as_text, counts, short
 
 _STATE_STYLE = {"healthy": "green", "unhealthy": "yellow", "dead": "red"}
 _RATE_COUNTERS = (
@@ -19,66 +21,88 @@ _RATE_COUNTERS = (
     ("gossip in", "gossip_in"),
     ("gossip out", "gossip_out"),
 )
-
-
-def _short(text: str, keep: int = 10) -> str:
-    return text if len(text) <= 2 * keep + 1 else f"{text[:keep]}…{text[-keep:]}"
+MAX_PEER_ROWS = 200
 
 
 def _rates(current: dict[str, Any], previous: dict[str, Any] | None, seconds: float) -> dict[str, str]:
     rates: dict[str, str] = {}
+    counters = as_dict(current.get("counters"))
+    before = as_dict(previous.get("counters")) if previous is not None else {}
     for label, name in _RATE_COUNTERS:
-        counters = current["counters"]
+        total = as_num(counters.get(name)) or 0.0
         if previous is None or seconds <= 0:
-            rates[label] = f"{counters.get(name, 0)} total"
+            rates[label] = f"{total:.0f} total"
             continue
-        before = previous["counters"]
-        messages = (counters.get(name, 0) - before.get(name, 0)) / seconds
-        size = (counters.get(name + "_bytes", 0) - before.get(name + "_bytes", 0)) / seconds
+        messages = (total - (as_num(before.get(name)) or 0.0)) / seconds
+        size = (
+            (as_num(counters.get(name + "_bytes")) or 0.0) - (as_num(before.get(name + "_bytes")) or 0.0)
+        ) / seconds
         rates[label] = f"{messages:.1f} msg/s  {size / 1024:.1f} KiB/s" if size else f"{messages:.1f} msg/s"
     return rates
 
 
+def _peer_row(peer: dict[str, Any]) -> list[Text]:
+    state = as_text(peer.get("state"), 16) or "?"
+    latency = as_num(peer.get("latency_ms"))
+    heard = as_num(peer.get("last_heard_s"))
+    score = as_num(peer.get("score"))
+    load = as_int(peer.get("load_percent"))
+    return [
+        Text(as_text(peer.get("address"), 42)),
+        Text(short(as_text(peer.get("peer_id")), 6)),
+        Text(as_text(peer.get("role"), 16)),
+        Text(state + (" (banned)" if peer.get("banned") is True else ""), style=_STATE_STYLE.get(state, "")),
+        Text("-" if score is None else f"{score:.0f}"),
+        Text("-" if latency is None else f"{latency:.0f} ms"),
+        Text("-" if heard is None else f"{heard:.1f} s ago"),
+        Text("-" if load is None else f"{load}%"),
+    ]
+
+
 def render(data: dict[str, Any], previous: dict[str, Any] | None = None, seconds: float = 0.0) -> Group:
+    """The whole status page. Missing or malformed fields render as "-" or are left out; never raises."""
+    data = as_dict(data)
+    previous = as_dict(previous) if previous is not None else None
     header = Table.grid(padding=(0, 2))
     header.add_column(style="bold")
     header.add_column()
-    header.add_row("address", data["address"])
-    header.add_row("peer id", data["peer_id"])
-    header.add_row("role / run", f"{data['role']} / {data['run']}")
-    header.add_row("uptime", f"{data['uptime_s']:.0f} s")
-    header.add_row("listening", "\n".join(data["multiaddrs"]) or "-")
-    header.add_row(
-        "connections", f"{data['connected_peers']} (DHT routing table {data['routing_table_size']})"
-    )
+    header.add_row("address", Text(as_text(data.get("address"))))
+    header.add_row("peer id", Text(as_text(data.get("peer_id"))))
+    header.add_row("role / run", Text(f"{as_text(data.get('role'), 16)} / {as_text(data.get('run'), 64)}"))
+    uptime = as_num(data.get("uptime_s"))
+    header.add_row("uptime", "-" if uptime is None else f"{uptime:.0f} s")
+    listening = [as_text(m, 200) for m in as_list(data.get("multiaddrs"))[:8]]
+    header.add_row("listening", Text("\n".join(m for m in listening if m) or "-"))
+    connected, table = as_int(data.get("connected_peers")) or 0, as_int(data.get("routing_table_size")) or 0
+    header.add_row("connections", f"{connected} (DHT routing table {table})")
     for label, value in _rates(data, previous, seconds).items():
         header.add_row(label, value)
-    if data["rejections"]:
-        header.add_row("refused", ", ".join(f"{k}={v}" for k, v in data["rejections"].items()))
+    sections = data.get("sections")
+    rates = section_rates(sections, previous.get("sections") if previous else None, seconds)
+    for label, value in rates.items():
+        if not label.startswith("checkpoint"):
+            header.add_row(label, value)
+    refused = counts(data.get("rejections"))
+    if refused:
+        header.add_row("refused", Text(", ".join(f"{k}={v}" for k, v in refused.items())))
 
-    peers = Table(title=f"peers ({len(data['peers'])})", expand=True)
+    peer_list = [as_dict(peer) for peer in as_list(data.get("peers"))[:MAX_PEER_ROWS]]
+    peers = Table(title=f"peers ({len(as_list(data.get('peers')))})", expand=True)
     for column in ("address", "peer id", "role", "state", "score", "latency", "last heard", "load"):
         peers.add_column(column)
-    for peer in data["peers"]:
-        state = Text(
-            peer["state"] + (" (banned)" if peer.get("banned") else ""),
-            style=_STATE_STYLE.get(peer["state"], ""),
-        )
-        latency = "-" if peer.get("latency_ms") is None else f"{peer['latency_ms']} ms"
-        peers.add_row(
-            peer["address"],
-            _short(peer["peer_id"], 6),
-            peer["role"],
-            state,
-            f"{peer['score']:.0f}",
-            latency,
-            f"{peer['last_heard_s']:.1f} s ago",
-            f"{peer['load_percent']}%",
-        )
-    events = Text(
-        "\n".join(f"{e['at_s']:>8.1f}s  {e['kind']:<9} {e['text']}" for e in data["events"][-12:]) or "-"
+    for peer in peer_list:
+        peers.add_row(*_peer_row(peer))
+    lines = []
+    for event in (as_dict(e) for e in as_list(data.get("events"))[-12:]):
+        at = as_num(event.get("at_s")) or 0.0
+        lines.append(f"{at:>8.1f}s  {as_text(event.get('kind'), 9):<9} {as_text(event.get('text'))}")
+    events = Text("\n".join(lines) or "-")
+    return Group(
+        Panel(header, title="prime-node"),
+        *sections_view(sections, rates),
+        peers,
+        Panel(events, title="recent events"),
     )
-    return Group(Panel(header, title="prime-node"), peers, Panel(events, title="recent events"))
 
 
 def print_once(data: dict[str, Any]) -> None:

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Protocol
 
 from prime_node.swarm.checkpoint import read_piece_from_files
-from protocol.codec import decode_any, encode
+from protocol.codec import Message, decode_any, encode
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import Manifest
-from protocol.swarm.messages import Piece
+from protocol.swarm.messages import Piece, Reject, Request
 from protocol.swarm.node import (
     Action,
     Completed,
@@ -77,6 +77,7 @@ class CheckpointTransfer:
         rng: random.Random,
         config: SwarmConfig | None = None,
         on_complete: Callable[[], None] | None = None,
+        upload: bool = True,
     ) -> None:
         self.manifest = manifest
         self.manifest_id = manifest.id()
@@ -84,6 +85,7 @@ class CheckpointTransfer:
         self._send = send
         self._close = close
         self._on_complete = on_complete
+        self.upload = upload
         self.node = SwarmNode(
             self.manifest_id, manifest.piece_count, rng=rng, config=config, have=pieces.have
         )
@@ -109,6 +111,14 @@ class CheckpointTransfer:
             log.warning("banning %s: undecodable frame (%s: %s)", peer, exc.reason, exc)
             self._run(self.node.ban(peer, exc.reason, now), now)
             return
+        self.receive(peer, message, now)
+
+    def receive(self, peer: Hashable, message: Message, now: float) -> None:
+        """One message already decoded by a transport that routes several versions over one connection."""
+        if not self.upload and isinstance(message, Request):
+            # A leecher serves nobody: whoever asks is refused (once per piece; it then asks elsewhere).
+            self._emit(peer, encode(Reject(self.manifest_id, message.index, "missing")))
+            return
         self._run(self.node.receive(peer, message, now), now)
 
     def _run(self, actions: list[Action], now: float) -> None:
@@ -116,6 +126,9 @@ class CheckpointTransfer:
         while queue:
             action = queue.popleft()
             if isinstance(action, Send):
+                # A leecher still tells the truth about what it holds (``have``, bitfield): a
+                # super-seeding origin reveals each peer only pieces it lacks, so hiding them stalls the
+                # download. A neighbour that asks a leecher is refused once per piece and asks elsewhere.
                 self._emit(action.peer, encode(action.message))
             elif isinstance(action, Upload):
                 frame = encode(Piece(self.manifest_id, action.index, self.pieces.read(action.index)))

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from crypto.keys import Address
 from prime_node.testing.strategies import register_strategy
 from prime_node.verification.reasons import Reason
-from prime_node.verification.verdict import MAX_REASONS, Verdict
+from protocol.verdict import MAX_REASONS, Verdict
 
 
 @st.composite

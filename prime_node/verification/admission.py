@@ -13,8 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from crypto.keys import Address
-from prime_node.verification.verdict import Verdict
 from protocol.scoring import Disconnect, Offence, PeerScores
+from protocol.verdict import Verdict
 
 
 @dataclass
@@ -47,6 +47,12 @@ class VerdictBook:
     def admitted(self, batch_id: bytes) -> bool:
         votes = self._votes.get(batch_id)
         return votes is not None and not votes.rejected_by and len(votes.accepted_by) >= self.quorum
+
+    def verdict_of(self, batch_id: bytes) -> Verdict | None:
+        """The latest verdict recorded on the batch (a rejecting one, if ``rejected``, was recorded last
+        when the rejection arrived)."""
+        votes = self._votes.get(batch_id)
+        return None if votes is None else votes.verdict
 
     def rejected(self, batch_id: bytes) -> bool:
         votes = self._votes.get(batch_id)

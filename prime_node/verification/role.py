@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from crypto.keys import WalletKey
 from prime_node.verification.validator import BatchValidator, ValidationResult
-from prime_node.verification.verdict import seal_verdict
 from protocol.envelope import Envelope
+from protocol.verdict import seal_verdict
 
 if TYPE_CHECKING:
     from prime_node.ml.engine import TorchEngine

@@ -66,7 +66,10 @@ def test_directories_that_are_not_models_are_refused(tmp_path: Path) -> None:
     assert bad.value.reason == "bad_model_file"
     with pytest.raises(NodeError):
         choose_piece_size(10, 3000)
-    assert choose_piece_size(10) == 4 << 20
+    assert choose_piece_size(10) == 256 << 10
+    assert choose_piece_size(256 << 20) == 1 << 20  # 256 pieces
+    assert choose_piece_size(62 << 30) == 4 << 20  # 15,872 pieces
+    assert choose_piece_size(1 << 40) == 8 << 20  # doubled to fit MAX_PIECES (131,072)
 
 
 def test_write_verifies_and_a_download_materializes_byte_identical(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from prime_node.swarm.transfer import CheckpointTransfer, OriginDirectory, Piece
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from prime_node.testing.swarm_loopback import LoopbackSwarm
 from protocol.codec import decode_any, encode
-from protocol.swarm.messages import Piece
+from protocol.swarm.messages import Piece, Reject
 from protocol.swarm.node import SwarmConfig
 
 KEY = WalletKey(bytes(31) + b"\x0b")
@@ -145,3 +145,57 @@ def test_half_the_seeders_vanish_mid_transfer_and_the_rest_complete(
         assert swarm.transfers[name].completed, name
         stores[name].materialize(tmp_path / name / "out")
         assert read_tree(tmp_path / name / "out") == read_tree(shared.directory)
+
+
+def test_leechers_fetch_from_a_super_seeding_origin_and_serve_nobody(
+    tmp_path: Path, shared: SharedCheckpoint
+) -> None:
+    """The one-tier layout: leechers (``upload=False``) linked to the origin and to each other all
+    complete from the origin alone; the requests they send each other are refused and asked elsewhere."""
+    swarm = LoopbackSwarm()
+    swarm.add(
+        "origin",
+        CheckpointTransfer(
+            shared.manifest,
+            OriginDirectory(shared.directory, shared.manifest),
+            send=swarm.sender("origin"),
+            close=swarm.closer("origin"),
+            rng=random.Random(0),
+            config=SwarmConfig(super_seed=True),
+        ),
+    )
+    leechers = [f"leech{i}" for i in range(4)]
+    stores = {}
+    for i, name in enumerate(leechers):
+        stores[name] = PieceStore.open(tmp_path / name / "store", shared.manifest)
+        swarm.add(
+            name,
+            CheckpointTransfer(
+                shared.manifest,
+                stores[name],
+                send=swarm.sender(name),
+                close=swarm.closer(name),
+                rng=random.Random(i + 1),
+                upload=False,
+            ),
+        )
+        swarm.connect("origin", name)
+    for i, a in enumerate(leechers):
+        for b in leechers[i + 1 :]:
+            swarm.connect(a, b)
+    sent_by_leechers: list[object] = []
+
+    def record(frame: bytes) -> bytes:
+        sent_by_leechers.append(decode_any(frame))
+        return frame
+
+    for name in leechers:
+        swarm.tamper[name] = record
+    swarm.run()
+    assert not [m for m in sent_by_leechers if isinstance(m, Piece)]
+    assert any(isinstance(m, Reject) for m in sent_by_leechers)  # they did refuse each other
+    for name, store in stores.items():
+        assert swarm.transfers[name].completed, name
+        store.materialize(tmp_path / name / "out")
+        assert read_tree(tmp_path / name / "out") == read_tree(shared.directory)
+    assert swarm.transfers["origin"].bytes_out >= len(leechers) * shared.manifest.total_size

@@ -8,11 +8,11 @@ from hypothesis import strategies as st
 
 from crypto.keys import Address, WalletKey
 from prime_node.verification.admission import VerdictBook, apply_verdict
-from prime_node.verification.verdict import Verdict, open_verdict, seal_verdict, verdict_domain
 from protocol.codec import decode, encode
 from protocol.envelope import EnvelopeVerifier
 from protocol.errors import RemoteProtocolError
 from protocol.scoring import PeerScores
+from protocol.verdict import Verdict, open_verdict, seal_verdict, verdict_domain
 
 WORKER = Address(b"\x11" * 20)
 V1, V2 = Address(b"\x01" * 20), Address(b"\x02" * 20)

@@ -22,11 +22,11 @@ from prime_node.testing.adversary import (
 )
 from prime_node.verification.proving import seal_batch
 from prime_node.verification.reasons import Reason
-from prime_node.verification.verdict import Verdict, open_verdict, seal_verdict, verdict_domain
 from protocol.codec import decode, encode
 from protocol.envelope import EnvelopeVerifier, seal
 from protocol.errors import RemoteProtocolError
 from protocol.rollouts import pack_tokens
+from protocol.verdict import Verdict, open_verdict, seal_verdict, verdict_domain
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,141 @@
+"""Child processes of the demo: started in their own sessions, logged to files, always stopped.
+
+Every child leads a new session (so its own children share its process group, and a Ctrl-C in the
+terminal reaches only the demo, which then stops them in order). Stopping sends SIGTERM to each
+process group, waits up to a deadline, then SIGKILLs whatever is left. On Linux each child also asks
+the kernel for SIGTERM when the demo dies, so even a SIGKILLed demo leaves nothing running for long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+STOP_DEADLINE_S = 8.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Child:
+    """One started process: its name in the demo, command line and log file."""
+
+    name: str
+    argv: tuple[str, ...]
+    log_path: Path
+    process: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the child's log (bounded read)."""
+        try:
+            with self.log_path.open("rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                size = handle.tell()
+                handle.seek(max(0, size - 64 * 1024))
+                text = handle.read().decode("utf-8", "replace")
+        except OSError as exc:
+            return f"(cannot read {self.log_path}: {exc.strerror})"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _death_signal_setter() -> Callable[[], None] | None:
+    """What runs in each child between fork and exec: ask for SIGTERM when the demo process dies (Linux).
+
+    libc is looked up here, in the parent, so the child runs no import (nothing that takes a lock)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def set_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return set_death_signal
+
+
+class Supervisor:
+    """Starts children and guarantees they are gone when it is closed (also on any exception)."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, *, stop_deadline_s: float = STOP_DEADLINE_S):
+        self._env = dict(os.environ if env is None else env)
+        self._stop_deadline_s = stop_deadline_s
+        self.children: list[Child] = []
+        self._preexec = _death_signal_setter()
+
+    def start(self, name: str, argv: Sequence[str], log_path: Path) -> Child:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env,
+                start_new_session=True,
+                preexec_fn=self._preexec,  # noqa: PLW1509
+            )
+        child = Child(name, tuple(argv), log_path, process)
+        self.children.append(child)
+        return child
+
+    def exited(self) -> list[Child]:
+        """Children that have ended (a demo child ending before the demo does is a failure)."""
+        return [child for child in self.children if not child.running()]
+
+    def pids(self) -> dict[str, int]:
+        return {child.name: child.pid for child in self.children}
+
+    def stop_all(self) -> None:
+        """SIGTERM every child's process group, wait up to the deadline, SIGKILL the rest, reap all.
+
+        A second Ctrl-C while this runs is held back until every child is gone, then delivered."""
+        stop_signals = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        try:
+            self._stop_all()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    def _stop_all(self) -> None:
+        for child in self.children:
+            _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + self._stop_deadline_s
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for child in self.children:
+            # Also after the leader exited: helpers it started (e.g. an inference child) share its group.
+            _signal_group(child, signal.SIGKILL)
+            if child.running():
+                child.process.wait()
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.stop_all()
+
+
+def _signal_group(child: Child, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signum)

@@ -1,0 +1,300 @@
+"""The inferer as a node service: newest policy in, proven and signed rollout batches out (DESIGN §1).
+
+It waits for the first complete checkpoint in the weight swarm, loads it into a ``TorchEngine`` (one
+torch thread: the node shares its cores with others), then loops: before each batch it switches to
+the newest complete policy the swarm holds, generates the scheduled batch for (its address, policy
+step, batch counter) with TOPLOC proofs in a worker thread, and gossips it signed. Counters start at
+the wall clock in ms and only grow, so a restarted inferer never repeats a draw.
+
+To avoid wasted work it produces at most ``batches_per_policy`` batches per policy step and then waits
+(briefly) for a newer one: batches of an old policy go stale at the trainer. Verdicts about its own
+batches are counted for the status section "rollouts" (and any rejection charges the worker, via
+``ReputationService``, like on every node).
+
+``adversary`` (demo and tests only): instead of the honest batch, publish what a cheater of that kind
+(prime_node/testing/adversary.py) would; validators must reject every one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+
+from crypto.keys import WalletKey
+from prime_node.config import RunConfig
+from prime_node.errors import NodeError
+
+if TYPE_CHECKING:
+    from prime_node.node.gossip import Delivered
+    from prime_node.node.service import Node
+
+log = logging.getLogger(__name__)
+MAX_TRACKED_BATCHES = 4096
+
+
+class PolicySource(Protocol):
+    """The part of the weight swarm an inferer uses."""
+
+    def newest(self) -> tuple[int, Path] | None: ...
+
+    async def wait_newer(self, than: int | None) -> tuple[int, Path]: ...
+
+
+class InfererService:
+    """See the module doc."""
+
+    def __init__(
+        self,
+        *,
+        key: WalletKey,
+        run_config: RunConfig,
+        swarm: PolicySource,
+        adversary: str | None = None,
+        batches_per_policy: int = 2,
+        policy_wait_s: float = 2.0,
+        subscribe: bool = True,
+        max_in_flight: int = 1,
+        verdict_timeout_s: float = 20.0,
+    ) -> None:
+        if adversary is not None:
+            from prime_node.testing.adversary import ATTACKS
+
+            if adversary not in ATTACKS:
+                raise NodeError(
+                    f"unknown adversary {adversary!r}: one of {', '.join(ATTACKS)}", reason="bad_config"
+                )
+        self.key = key
+        self.config = run_config
+        self.swarm = swarm
+        self.adversary = adversary
+        self.batches_per_policy = batches_per_policy
+        self.policy_wait_s = policy_wait_s
+        self.subscribe = subscribe
+        self.max_in_flight = max_in_flight
+        self.verdict_timeout_s = verdict_timeout_s
+        self.waited_for_verdicts_s = 0.0
+        self.skipped_waits = 0
+        self._in_flight: dict[bytes, float] = {}
+        self._verdict_arrived = trio.Event()
+        self.produced = 0
+        self.published = 0
+        self.accepted = 0
+        self.rejected: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.policy_step: int | None = None
+        self.generate_s = 0.0
+        self.mine: dict[bytes, int] = {}
+        self._engine: Any = None
+        self._tokenizer: Any = None
+        self._task: Any = None
+        self._reputation: Any = None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "produced": self.produced,
+            "published": self.published,
+            "accepted": self.accepted,
+            "rejected": dict(self.rejected),
+            "policy_step": self.policy_step,
+            "generate_s": round(self.generate_s, 2),
+            "waited_for_verdicts_s": round(self.waited_for_verdicts_s, 2),
+            "in_flight": len(self._in_flight),
+            "policy_waits": self.skipped_waits,
+            "errors": dict(self.errors),
+            "adversary": self.adversary,
+        }
+
+    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        from prime_node.verification.reputation import ReputationService
+        from prime_node.verification.topics import VERDICTS_TOPIC
+
+        node.status_sections["rollouts"] = self.status
+        if self.config.trusted_validators:
+            self._reputation = ReputationService(run_config=self.config, subscribe=False)
+            self._reputation.attach(node)
+            if self.subscribe:  # else the role runner owns the topic and forwards verdicts here
+                await node.gossip.subscribe(VERDICTS_TOPIC, self.on_verdict)
+        task_status.started()
+        step, path = await self.swarm.wait_newer(None)
+        await trio.to_thread.run_sync(self._load, step, path)
+        counter = node.gossip.clock.wall_ms()
+        made_for_policy = 0
+        while True:
+            newest = self.swarm.newest()
+            if newest is not None and newest[0] > self.policy_step_or(-1):
+                try:
+                    await trio.to_thread.run_sync(self._switch, *newest)
+                except NodeError as exc:  # e.g. retention removed it meanwhile: the next one will do
+                    self.errors[exc.reason] += 1
+                    log.warning("could not switch to policy %d: %s", newest[0], exc)
+                    await trio.sleep(0.2)
+                    continue
+                made_for_policy = 0
+            elif (
+                made_for_policy >= self.batches_per_policy
+                or self._announced() - self.policy_step_or(0) >= self.config.async_level
+            ):
+                # Enough work for this policy, or a policy so far behind the newest announced one that
+                # its batch would arrive stale: wait (briefly) for the newer policy to be complete here.
+                self.skipped_waits += 1
+                with trio.move_on_after(self.policy_wait_s):
+                    await self.swarm.wait_newer(self.policy_step)
+                    continue
+            await self._backpressure()
+            started = trio.current_time()
+            try:
+                frames = await trio.to_thread.run_sync(
+                    self._make_frames, counter, node.gossip.clock.wall_ms()
+                )
+            except (NodeError, ValueError, RuntimeError) as exc:
+                self.errors[type(exc).__name__] += 1
+                log.warning("batch %d not produced: %s", counter, exc)
+                await trio.sleep(1.0)
+                counter += 1
+                continue
+            self.generate_s += trio.current_time() - started
+            counter += 1
+            made_for_policy += 1
+            self.produced += 1
+            await self._publish(node, frames)
+
+    async def _backpressure(self) -> None:
+        """Wait while ``max_in_flight`` of our batches await a verdict: more would only queue up at the
+        validators and go stale there (a batch with no verdict after ``verdict_timeout_s`` counts as lost).
+        Without trusted validators to hear from, there is nothing to wait for."""
+        if self._reputation is None or self.max_in_flight <= 0:
+            return
+        started = trio.current_time()
+        while True:
+            now = trio.current_time()
+            for batch_id, sent in list(self._in_flight.items()):
+                if now - sent > self.verdict_timeout_s:
+                    del self._in_flight[batch_id]
+                    self.errors["no_verdict"] += 1
+            if len(self._in_flight) < self.max_in_flight:
+                break
+            self._verdict_arrived = trio.Event()
+            with trio.move_on_after(1.0):
+                await self._verdict_arrived.wait()
+        self.waited_for_verdicts_s += trio.current_time() - started
+
+    def _announced(self) -> int:
+        """The newest step the swarm knows of, complete or still fetching (SwarmService.versions)."""
+        versions = getattr(self.swarm, "versions", None)
+        steps = [v.step for v in versions.values()] if isinstance(versions, dict) else []
+        return max(steps, default=self.policy_step_or(0))
+
+    def policy_step_or(self, default: int) -> int:
+        return default if self.policy_step is None else self.policy_step
+
+    # -- publishing and verdicts ---------------------------------------------------------------------
+
+    async def _publish(self, node: Node, frames: list[bytes]) -> None:
+        from prime_node.verification.topics import publish_frame
+
+        for frame in frames:
+            try:
+                batch_id = await publish_frame(node, frame)
+            except NodeError as exc:
+                self.errors[exc.reason] += 1
+                log.warning("rollout batch not published: %s", exc)
+                continue
+            self.published += 1
+            self.mine[batch_id] = self.policy_step_or(0)
+            self._in_flight[batch_id] = trio.current_time()
+            while len(self.mine) > MAX_TRACKED_BATCHES:
+                self.mine.pop(next(iter(self.mine)))
+
+    async def on_verdict(self, message: Delivered) -> None:
+        """A gossiped verdict: charge rejected workers, count the ones about our own batches."""
+        if self._reputation is None:
+            return
+        opened = self._reputation.open(message.payload)
+        if opened is None:
+            return
+        verdict, _ = opened
+        self._reputation.observe(verdict)
+        if self._in_flight.pop(verdict.batch_id, None) is not None:
+            self._verdict_arrived.set()
+        if verdict.worker != self.key.address or self.mine.pop(verdict.batch_id, None) is None:
+            return
+        if verdict.accepted:
+            self.accepted += 1
+        else:
+            for reason in verdict.reasons:
+                self.rejected[reason] += 1
+
+    # -- model work (worker threads) -----------------------------------------------------------------
+
+    def _load(self, step: int, path: Path) -> None:
+        import torch
+
+        from prime_node.ml.engine import TorchEngine
+        from prime_node.ml.model import load_model
+        from prime_node.ml.tokenizer import load_tokenizer
+        from prime_node.tasks.factory import build_task
+
+        torch.set_num_threads(1)
+        self._tokenizer = load_tokenizer(path)
+        self._task = build_task(self.config.task)
+        self._engine = TorchEngine(
+            load_model(path),
+            eos_token_id=self._tokenizer.eos_token_id,
+            pad_token_id=self._tokenizer.pad_token_id,
+            policy_step=step,
+        )
+        self.policy_step = step
+        log.info("inferer loaded policy %d from %s", step, path)
+
+    def _switch(self, step: int, path: Path) -> None:
+        from prime_node.ml.checkpoint import read_weights
+        from prime_node.ml.local_run import with_tied_head
+
+        weights = read_weights(path)
+        self._engine.load_weights(with_tied_head(self._engine.model, weights), step)
+        self.policy_step = step
+
+    def _make_frames(self, counter: int, now_ms: int) -> list[bytes]:
+        import torch
+
+        torch.set_num_threads(1)
+        assert self.policy_step is not None
+        if self.adversary is not None:
+            return self._attack_frames(counter, now_ms)
+        from prime_node.ml.local_run import make_batch
+        from prime_node.verification.proofs import build_proofs
+        from prime_node.verification.proving import seal_batch
+        from protocol.codec import encode
+
+        batch = make_batch(
+            self._engine,
+            self._task,
+            self._tokenizer,
+            self.config,
+            worker=self.key.address,
+            policy_step=self.policy_step,
+            batch_counter=counter,
+            prove=build_proofs,
+        )
+        return [encode(seal_batch(self.key, batch, now_ms=now_ms))]
+
+    def _attack_frames(self, counter: int, now_ms: int) -> list[bytes]:
+        from prime_node.testing.adversary import Scenario
+
+        assert self.adversary is not None and self.policy_step is not None
+        if self.adversary == "stale_policy" and self.policy_step - self.config.async_level - 1 < 0:
+            raise ValueError("no policy old enough to be stale yet")
+        scenario = Scenario(
+            config=self.config,
+            task=self._task,
+            tokenizer=self._tokenizer,
+            engine=self._engine,
+            key=self.key,
+            current_step=self.policy_step,
+            now_ms=now_ms,
+        )
+        return scenario.attack_frames(self.adversary, counter)

@@ -1,0 +1,311 @@
+"""``join``'s role runner: learn the run, pick a role from hardware and demand, run it, switch when needed.
+
+Order of events: the run announcement is believed (``RunFollower``: pinned trainer or trust on first
+use), which gives the run config and tells the weight swarm whose manifests to follow; the first
+checkpoint arrives (its size gives the model's parameter count); from then on every ``interval``
+seconds the pure policy ``protocol.roles.choose_role`` (with its hysteresis) looks at the hardware
+profile, the run's requirements and the swarm's demand, and the runner starts the chosen role's
+service in its own cancel scope, cancelling the previous one. A seeder runs nothing extra: the weight
+swarm already re-serves every piece this node holds.
+
+Demand (advisory; it only steers roles, never admission): live inferers and validators from peer
+records' ``role``; the backlog is the number of rollout batches gossiped in the last minute that no
+verdict has named yet (a validator uses its own queue length instead, since it consumes the rollouts
+topic itself).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from crypto.keys import Address, WalletKey
+from prime_node.config import RunConfig
+from prime_node.errors import NodeError
+from prime_node.roles.announcement import RunFollower, worker_run_config
+
+if TYPE_CHECKING:
+    from prime_node.hardware import GpuSelection
+    from prime_node.node.gossip import Delivered
+    from prime_node.node.service import Node
+    from prime_node.swarm.service import SwarmService
+    from protocol.roles import HardwareProfile, RoleDecision, RoleState, RunRequirements
+
+log = logging.getLogger(__name__)
+BACKLOG_WINDOW_S = 60.0
+MAX_TRACKED = 4096
+CPU_OK_MAX_PARAMS = 50_000_000
+
+
+class BacklogMeter:
+    """Rollout batches seen recently that no verdict has named yet (bounded)."""
+
+    def __init__(self, window_s: float = BACKLOG_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._pending: OrderedDict[bytes, float] = OrderedDict()
+        self._judged: OrderedDict[bytes, None] = OrderedDict()
+
+    def rollout(self, batch_id: bytes, now: float) -> None:
+        if batch_id in self._judged or batch_id in self._pending:
+            return
+        self._pending[batch_id] = now
+        while len(self._pending) > MAX_TRACKED:
+            self._pending.popitem(last=False)
+
+    def verdict(self, batch_id: bytes) -> None:
+        self._pending.pop(batch_id, None)
+        self._judged[batch_id] = None
+        while len(self._judged) > MAX_TRACKED:
+            self._judged.popitem(last=False)
+
+    def backlog(self, now: float) -> int:
+        while self._pending and next(iter(self._pending.values())) < now - self.window_s:
+            self._pending.popitem(last=False)
+        return len(self._pending)
+
+
+def preload() -> None:
+    """Import torch, transformers and the role modules while the node is still joining (measured: 10-30 s
+    of a CPU-starved joiner's start-up went to these imports after the first checkpoint had arrived).
+    Role services start only after it returns: two threads importing from transformers at once can fail
+    (its lazy module is not thread-safe)."""
+    import torch  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM  # noqa: F401
+
+    import prime_node.ml.engine
+    import prime_node.ml.local_run
+    import prime_node.verification.validator  # noqa: F401
+
+
+async def _preload_in_thread(done: trio.Event | None = None) -> None:
+    try:
+        await trio.to_thread.run_sync(preload, abandon_on_cancel=True)  # type: ignore[call-arg, unused-ignore]
+    finally:
+        if done is not None:
+            done.set()
+
+
+def requirements_for(config: RunConfig, checkpoint: Path) -> RunRequirements:
+    """What the run's model needs, from its config and the size of its safetensors (fp32 here)."""
+    from protocol.roles import RunRequirements
+
+    size = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
+    params = max(1, size // 4)
+    return RunRequirements(
+        param_count=params,
+        dtype_bytes=4,
+        context_tokens=64 + config.max_new_tokens,
+        concurrent_sequences=config.samples_per_step,
+        cpu_ok=params <= CPU_OK_MAX_PARAMS,
+    )
+
+
+class RoleRunner:
+    """See the module doc. ``pinned``: ``--role`` (None or "auto" lets the policy choose)."""
+
+    def __init__(
+        self,
+        *,
+        key: WalletKey,
+        run_id: str,
+        swarm: SwarmService,
+        data_dir: Path,
+        gpus: GpuSelection,
+        pinned: str | None = None,
+        trainer: Address | None = None,
+        adversary: str | None = None,
+        interval: float = 5.0,
+        min_dwell_s: float = 60.0,
+        on_trusted: Any = None,
+    ) -> None:
+        self.key = key
+        self.swarm = swarm
+        self.data_dir = data_dir
+        self.gpus = gpus
+        self.pinned = None if pinned in (None, "auto") else pinned
+        self.adversary = adversary
+        self.interval = interval
+        self.min_dwell_s = min_dwell_s
+        self.follower = RunFollower(run_id, pinned=trainer, on_trusted=on_trusted)
+        self.meter = BacklogMeter()
+        self.config: RunConfig | None = None
+        self.profile: HardwareProfile | None = None
+        self.state: RoleState | None = None
+        self.reason = "waiting for the run announcement"
+        self.service: Any = None
+        self.switches = 0
+        self._scope: trio.CancelScope | None = None
+        self._stopped = trio.Event()
+        self._node: Node | None = None
+
+    @property
+    def role(self) -> str:
+        return self.state.role if self.state is not None else "seeder"
+
+    def status(self) -> dict[str, Any]:
+        now = trio.current_time()
+        return {
+            "role": self.role,
+            "reason": self.reason,
+            "since_s": round(now - self.state.since, 1) if self.state is not None else 0.0,
+            "profile": self.profile.describe() if self.profile is not None else {},
+            "trainer": str(self.follower.trust.trainer) if self.follower.trust.trainer else None,
+            "switches": self.switches,
+        }
+
+    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        from prime_node.hardware import probe
+
+        self._node = node
+        node.status_sections["role"] = self.status
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.follower.run, node)
+            task_status.started()
+            preloaded = trio.Event()  # transformers' lazy imports race across threads (E2: demo crashes)
+            nursery.start_soon(_preload_in_thread, preloaded)
+            self.profile = await trio.to_thread.run_sync(probe, self.gpus, self.data_dir)
+            announcement = await self.follower.wait()
+            self.config = config = worker_run_config(announcement, output_dir=self.data_dir / "run")
+            self.swarm.trainer = announcement.trainer
+            self.swarm.keep = max(self.swarm.keep, config.async_level + 1)
+            await self._tap(node)
+            self.reason = "waiting for the first checkpoint"
+            _, path = await self.swarm.wait_newer(None)
+            requirements = requirements_for(config, path)
+            await preloaded.wait()  # before any role thread imports transformers itself
+            while True:
+                decision = self._decide(node, requirements)
+                self.reason = decision.reason
+                if self.state is None or decision.role != self.state.role:
+                    await self._switch(node, nursery, decision, config)
+                self.state = decision.next_state(self.state, trio.current_time())
+                if self.pinned is not None:
+                    await trio.sleep_forever()
+                await trio.sleep(self.interval)
+
+    def _decide(self, node: Node, requirements: RunRequirements) -> RoleDecision:
+        from protocol.roles import RolePolicyConfig, SwarmDemand, choose_role
+
+        assert self.profile is not None and self.config is not None
+        inferers = validators = 0
+        from protocol.membership import PeerState
+
+        healthy = set(node.peers_in(PeerState.HEALTHY))
+        for member in node.membership.members():
+            if member.peer_id in healthy:
+                inferers += member.record.role == "inferer"
+                validators += member.record.role == "validator"
+        now = trio.current_time()
+        backlog = self.meter.backlog(now)
+        if self.role == "validator" and self.service is not None:
+            backlog = int(self.service.status().get("backlog", backlog))
+        demand = SwarmDemand(backlog=backlog, inferers=inferers, validators=validators)
+        policy = RolePolicyConfig(
+            pinned=self.pinned,
+            holds_trainer_key=self.config.trainer_address is not None
+            and self.config.trainer_address.lower() == str(self.key.address).lower(),
+            min_dwell_s=self.min_dwell_s,
+        )
+        try:
+            return choose_role(self.profile, requirements, demand, self.state, now, policy)
+        except Exception as exc:  # LocalProtocolError: --role trainer without the key
+            raise NodeError(str(exc), reason="bad_role") from exc
+
+    async def _switch(
+        self, node: Node, nursery: trio.Nursery, decision: RoleDecision, config: RunConfig
+    ) -> None:
+        previous = self.state.role if self.state is not None else None
+        if self._scope is not None:
+            self._scope.cancel()
+            await self._stopped.wait()
+            self._scope = None
+        self.service = None
+        if previous == "validator" and self.pinned is None:  # it had taken over the topic: count again
+            from prime_node.verification.topics import ROLLOUTS_TOPIC
+
+            await node.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
+        role = decision.role
+        node.config = node.config.model_copy(update={"role": role})
+        log.info("role: %s (%s)", role, decision.reason)
+        if self.state is not None:
+            self.switches += 1
+        service = self._build(node, role, config)
+        if service is None:
+            return
+        self.service = service
+        self._stopped = trio.Event()
+        await nursery.start(self._run_service, node, service)
+
+    async def _run_service(
+        self, node: Node, service: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            try:
+                await service.run(node, task_status=task_status)
+            finally:
+                self._stopped.set()
+        if self.service is service and not scope.cancelled_caught:
+            log.info("the %s service ended", self.role)
+
+    def _build(self, node: Node, role: str, config: RunConfig) -> Any:
+        if role == "inferer":
+            from prime_node.roles.inferer_service import InfererService
+
+            return InfererService(
+                key=self.key, run_config=config, swarm=self.swarm, adversary=self.adversary, subscribe=False
+            )
+        if role == "validator":
+            from prime_node.verification.reputation import ReputationService
+            from prime_node.verification.service import ValidatorService
+
+            reputation = ReputationService(run_config=config, subscribe=False)
+            reputation.attach(node)
+            return ValidatorService(
+                key=self.key,
+                run_config=config,
+                locate=self.swarm.locate,
+                current_step=self._current_step,
+                reputation=reputation,
+                keep_policies=config.async_level + 1,
+            )
+        if role == "trainer":
+            self.reason += " (this node holds the trainer key: run `prime-node run-trainer` to train)"
+        return None  # seeder (or trainer key holder): the weight swarm re-serves pieces by itself
+
+    def _current_step(self) -> int:
+        newest = self.swarm.newest()
+        return newest[0] if newest is not None else 0
+
+    # -- demand taps: the runner owns the rollouts (unless validating) and verdicts topics ---------------
+
+    async def _tap(self, node: Node) -> None:
+        from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
+
+        await node.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
+        if self.pinned is None:  # only the policy needs the backlog: receiving every batch costs CPU
+            await node.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
+
+    async def _on_rollout(self, message: Delivered) -> None:
+        from crypto.digests import blake3
+
+        self.meter.rollout(blake3(message.payload), trio.current_time())
+
+    async def _on_verdict(self, message: Delivered) -> None:
+        from protocol.codec import decode
+        from protocol.envelope import Envelope
+        from protocol.errors import ProtocolError
+        from protocol.verdict import Verdict
+
+        service = self.service
+        if service is not None and hasattr(service, "on_verdict"):
+            await service.on_verdict(message)  # the inferer counts (verified) verdicts on its batches
+        try:
+            verdict = decode(decode(message.payload, Envelope).payload, Verdict)
+        except ProtocolError:
+            return
+        self.meter.verdict(verdict.batch_id)

@@ -1,0 +1,478 @@
+"""The networked GRPO trainer as a node service (DESIGN §1, §6; docs/rl.md *Networked run*).
+
+It shares the starting policy through the weight swarm, then loops: accepted batches (an accepted,
+signed verdict from the run's validators; ``AdmissionService``) are admitted again by ``prepare``
+(run, shape, prompts, rewards recomputed; stale ones refused) and queued in a ``StepGatherer``; a step
+takes the informative groups of one policy step (see ``prime_node.roles.gather``), appends each batch
+to the fsynced rollout log, trains one GRPO step, writes the new policy as a Hugging Face directory
+and shares it. Held-out greedy accuracy is measured on a separate engine every ``eval_every`` steps
+without stopping the loop. Model work runs in worker threads (one at a time for the training model,
+one torch thread each) so the node keeps serving pieces and gossip.
+
+Only the holder of the run's trainer key runs this (checked before anything starts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+
+from crypto.keys import WalletKey
+from prime_node.config import RunConfig
+from prime_node.errors import NodeError
+from prime_node.roles.gather import Candidate, StepGatherer
+
+if TYPE_CHECKING:
+    from prime_node.ml.trainer import Prepared, StepMetrics
+    from prime_node.node.service import Node
+    from protocol.rollouts import RolloutBatch
+
+log = logging.getLogger(__name__)
+MAX_CURVE_POINTS = 512
+POLICY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+
+
+class Sharer(Protocol):
+    """The part of the weight swarm the trainer uses."""
+
+    async def share(self, directory: Path, *, step: int) -> Any: ...
+
+
+class AcceptedSource(Protocol):
+    """The part of admission the trainer uses: the next batch with an accepted verdict."""
+
+    async def next_accepted(self) -> Any: ...
+
+
+def check_trainer_key(config: RunConfig, key: WalletKey) -> RunConfig:
+    """The run config with ``trainer_address`` filled, or NodeError if this key is not the run's trainer."""
+    if config.trainer_address is None:
+        log.info("run config names no trainer_address: this key (%s) is the trainer", key.address)
+        return config.model_copy(update={"trainer_address": str(key.address)})
+    if config.trainer_address.lower() != str(key.address).lower():
+        raise NodeError(
+            f"this keystore's address {key.address} is not the run's trainer_address "
+            f"{config.trainer_address}: only the trainer key may train and publish checkpoints",
+            reason="not_trainer",
+        )
+    return config
+
+
+def merge_prepared(parts: list[Prepared]) -> Prepared:
+    """One optimizer batch from several admitted batches of the same policy step."""
+    from prime_node.ml.trainer import Prepared
+
+    if not parts or len({p.policy_step for p in parts}) != 1:
+        raise ValueError("merge needs batches of one policy step")
+    if len(parts) == 1:
+        return parts[0]
+    samples = sum(p.groups_kept + p.groups_dropped for p in parts)
+    merged = Prepared(parts[0].policy_step, [], [], [], 0.0, 0, 0)
+    for part in parts:
+        merged.sequences += part.sequences
+        merged.prompt_lengths += part.prompt_lengths
+        merged.advantages += part.advantages
+        merged.groups_kept += part.groups_kept
+        merged.groups_dropped += part.groups_dropped
+        merged.reward_mean += part.reward_mean * (part.groups_kept + part.groups_dropped) / samples
+    return merged
+
+
+@dataclass
+class _Queued:
+    prepared: Prepared
+    frame: bytes
+    worker: str
+
+
+@dataclass
+class Timing:
+    """Where the trainer's wall time goes (seconds), for benchmarks and the status section."""
+
+    waiting_s: float = 0.0
+    train_s: float = 0.0
+    write_s: float = 0.0
+    share_s: float = 0.0
+    eval_s: float = 0.0
+
+
+class TrainerService:
+    """See the module doc. ``stop_when_done``: leave ``run`` after ``max_steps`` (default: keep seeding)."""
+
+    def __init__(
+        self,
+        *,
+        key: WalletKey,
+        run_config: RunConfig,
+        swarm: Sharer,
+        admission: AcceptedSource,
+        model_dir: Path | None = None,
+        stop_when_done: bool = False,
+        on_step: Any = None,
+        evaluate: bool = True,
+        fill_wait_s: float = 0.5,
+    ) -> None:
+        self.key = key
+        self.fill_wait_s = fill_wait_s
+        self.config = check_trainer_key(run_config, key)
+        self.base = model_dir or self.config.model_dir
+        if self.base is None:
+            raise NodeError("no model: pass --model or set model_dir in the run config", reason="bad_config")
+        self.swarm = swarm
+        self.admission = admission
+        self.stop_when_done = stop_when_done
+        self.on_step = on_step
+        self.evaluate = evaluate
+        self.gatherer: StepGatherer[_Queued] = StepGatherer(
+            prompts_per_step=self.config.prompts_per_step, async_level=self.config.async_level
+        )
+        self.step = self.start_step = 0
+        self.reward_curve: list[list[float]] = []
+        self.held_out: list[list[float]] = []
+        self.batches_accepted = 0
+        self.batches_trained = 0
+        self.rejected: Counter[str] = Counter()
+        self.by_worker: Counter[str] = Counter()
+        self.checkpoints_shared = 0
+        self.timing = Timing()
+        self.started_at = 0.0
+        self.first_step_at: float | None = None
+        self.done = trio.Event()
+        self._arrived = trio.Event()
+        self._model_lock = trio.CapacityLimiter(1)
+        self._eval_running = False
+        self._state: Any = None
+
+    # -- status --------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        now = trio.current_time()
+        rate = 0.0
+        done = self.step - self.start_step - 1  # steps after the first (start-up not counted)
+        if self.first_step_at is not None and done > 0 and now > self.first_step_at:
+            rate = done / (now - self.first_step_at)
+        rejected = Counter(self.rejected)
+        stats = getattr(self.admission, "stats", None)
+        if callable(stats):  # the validators' reasons, as counted by admission
+            rejected.update(stats().get("rejected", {}))
+        return {
+            "step": self.step,
+            "max_steps": self.config.max_steps,
+            "reward_curve": self.reward_curve,
+            "held_out": self.held_out,
+            "batches_accepted": self.batches_accepted,
+            "batches_trained": self.batches_trained,
+            "batches_rejected": dict(rejected),
+            "accepted_by_worker": dict(self.by_worker),
+            "checkpoints_shared": self.checkpoints_shared,
+            "queued": len(self.gatherer),
+            "steps_per_s": round(rate, 3),
+            "time_s": {k: round(v, 2) for k, v in asdict(self.timing).items()},
+        }
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        node.config = node.config.model_copy(update={"role": "trainer"})
+        self.started_at = trio.current_time()
+        self._state = await trio.to_thread.run_sync(self._load)
+        self.step = self.start_step = self._state.trainer.step
+        policy = await trio.to_thread.run_sync(self._write_policy, self.step, None)
+        await self._share(policy, self.step)
+        node.status_sections["training"] = self.status
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._intake)
+            if self.evaluate:
+                self._start_eval(nursery, self.step)
+            await self._train_loop(nursery)
+            if self.evaluate:
+                await self._final_eval()
+            self.done.set()
+            log.info("trainer reached max_steps %d", self.config.max_steps)
+            if self.stop_when_done:
+                nursery.cancel_scope.cancel()
+                return
+        await trio.sleep_forever()
+
+    def _load(self) -> Any:
+        import torch
+
+        from prime_node.ml.checkpoint import list_checkpoints, load_optimizer_state, save_checkpoint
+        from prime_node.ml.distributed import DistInfo
+        from prime_node.ml.local_run import CheckpointWriter
+        from prime_node.ml.model import load_model
+        from prime_node.ml.rollout_log import RolloutLog
+        from prime_node.ml.tokenizer import load_tokenizer
+        from prime_node.ml.trainer import GRPOTrainer
+        from prime_node.tasks.factory import build_task
+
+        torch.set_num_threads(1)
+        torch.manual_seed(self.config.torch_seed)
+        assert self.base is not None
+        root = self.config.output_dir / "checkpoints"
+        existing = list_checkpoints(root)
+        source = existing[-1].path if existing else self.base
+        model = load_model(source)
+        tokenizer = load_tokenizer(self.base)
+        trainer = GRPOTrainer(
+            self.config,
+            model,
+            tokenizer,
+            checkpoint_root=root,
+            dist=DistInfo(),
+            step=existing[-1].step if existing else 0,
+        )
+        if existing:
+            load_optimizer_state(trainer.optimizer, existing[-1].path / "optimizer.safetensors")
+            log.info("resuming the networked trainer from %s", existing[-1].path)
+        else:
+            save_checkpoint(root, 0, model, trainer.optimizer, self.base, {"run_id": self.config.run_id})
+        writer = CheckpointWriter(
+            root, self.base, self.config.checkpoints_to_keep, {"run_id": self.config.run_id}
+        )
+        return _State(
+            trainer=trainer,
+            tokenizer=tokenizer,
+            task=build_task(self.config.task),
+            rollout_log=RolloutLog(self.config.output_dir / "rollouts.log"),
+            writer=writer,
+        )
+
+    # -- intake: accepted batches -> admitted, queued ------------------------------------------------
+
+    async def _intake(self) -> None:
+        while True:
+            accepted = await self.admission.next_accepted()
+            batch: RolloutBatch = accepted.batch
+            worker = str(getattr(accepted, "worker", batch.worker))
+            if self.step >= self.config.max_steps:
+                continue
+            try:
+                prepared, frame = await trio.to_thread.run_sync(
+                    self._prepare, batch, limiter=self._model_lock
+                )
+            except NodeError as exc:
+                self.rejected[exc.reason] += 1
+                log.info("trainer refused an accepted batch from %s: %s", worker, exc)
+                continue
+            self.batches_accepted += 1
+            if not self.gatherer.add(
+                Candidate(prepared.policy_step, prepared.groups_kept, _Queued(prepared, frame, worker))
+            ):
+                self.rejected["uninformative" if prepared.groups_kept == 0 else "queue_full"] += 1
+                continue
+            self._arrived.set()
+
+    def _prepare(self, batch: RolloutBatch) -> tuple[Prepared, bytes]:
+        from prime_node.ml.trainer import prepare
+        from protocol.codec import encode
+
+        state = self._state
+        prepared = prepare(
+            batch, current_step=self.step, task=state.task, tokenizer=state.tokenizer, config=self.config
+        )
+        return prepared, encode(batch)
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    async def _train_loop(self, nursery: trio.Nursery) -> None:
+        config = self.config
+        while self.step < config.max_steps:
+            await self._fill()
+            gathered = self.gatherer.take(self.step)
+            if gathered is None or not gathered.batches:
+                if gathered is not None:
+                    self.rejected["stale"] += len(gathered.dropped_stale)
+                waited = trio.current_time()
+                self._arrived = trio.Event()
+                await self._arrived.wait()
+                self.timing.waiting_s += trio.current_time() - waited
+                continue
+            self.rejected["stale"] += len(gathered.dropped_stale)
+            queued = [c.item for c in gathered.batches]
+            t0 = trio.current_time()
+            metrics = await trio.to_thread.run_sync(self._train, queued, limiter=self._model_lock)
+            t1 = trio.current_time()
+            policy = await trio.to_thread.run_sync(self._write_policy, metrics.step, self._state.trainer)
+            t2 = trio.current_time()
+            self.step = metrics.step
+            for item in queued:
+                self.by_worker[item.worker] += 1
+            self.batches_trained += len(queued)
+            self._note(metrics)
+            await self._share(policy, metrics.step)
+            t3 = trio.current_time()
+            self.timing.train_s += t1 - t0
+            self.timing.write_s += t2 - t1
+            self.timing.share_s += t3 - t2
+            if self.first_step_at is None:
+                self.first_step_at = t3
+            if self.on_step is not None:
+                self.on_step(metrics)
+            if self.evaluate and config.eval_every and self.step % config.eval_every == 0:
+                self._start_eval(nursery, self.step)
+
+    async def _fill(self) -> None:
+        """Give a started step up to ``fill_wait_s`` to reach ``prompts_per_step`` informative groups."""
+        ready = self.gatherer.ready_groups(self.step)
+        if ready == 0 or ready >= self.config.prompts_per_step or self.fill_wait_s <= 0:
+            return
+        waited = trio.current_time()
+        with trio.move_on_after(self.fill_wait_s):
+            while self.gatherer.ready_groups(self.step) < self.config.prompts_per_step:
+                self._arrived = trio.Event()
+                await self._arrived.wait()
+        self.timing.waiting_s += trio.current_time() - waited
+
+    def _train(self, queued: list[_Queued]) -> StepMetrics:
+        import torch
+
+        torch.set_num_threads(1)
+        state = self._state
+        merged = merge_prepared([item.prepared for item in queued])
+        for item in queued:
+            state.rollout_log.append(self.step, item.frame)  # durable before training on it
+        metrics: StepMetrics = state.trainer.train_step(merged)
+        weights = state.trainer.history.get(state.trainer.step)
+        state.writer.submit(state.trainer.step, weights, state.trainer.optimizer)
+        with open(self.config.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(asdict(metrics)) + "\n")
+        return metrics
+
+    def _note(self, metrics: StepMetrics) -> None:
+        self.reward_curve.append([metrics.step, round(metrics.reward_mean, 4)])
+        if len(self.reward_curve) > MAX_CURVE_POINTS:
+            self.reward_curve = self.reward_curve[::2]
+
+    # -- policies: write, share, prune ---------------------------------------------------------------
+
+    def _write_policy(self, step: int, trainer: Any) -> Path:
+        """policies/step_N: the HF files peers need (config, tokenizer, safetensors), nothing private."""
+        from safetensors.torch import save_file
+
+        from prime_node.ml.checkpoint import model_weights, read_weights, step_dir
+
+        root = self.config.output_dir / "policies"
+        final = step_dir(root, step)
+        if (final / "model.safetensors").is_file():
+            return final
+        assert self.base is not None
+        if trainer is not None:
+            weights = trainer.history.get(step)
+        elif (step_dir(self.config.output_dir / "checkpoints", step) / "model.safetensors").is_file():
+            weights = read_weights(step_dir(self.config.output_dir / "checkpoints", step))
+        else:
+            weights = model_weights(self._state.trainer.model)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name in POLICY_FILES:
+            if (self.base / name).is_file():
+                shutil.copyfile(self.base / name, tmp / name)
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.replace(tmp, final)
+        self._prune_policies(root, step)
+        return final
+
+    def _prune_policies(self, root: Path, newest: int) -> None:
+        keep = self.config.checkpoints_to_keep + 2  # peers may still fetch what they were told about
+        for item in root.iterdir():
+            name = item.name
+            if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) <= newest - keep:
+                shutil.rmtree(item, ignore_errors=True)
+
+    async def _share(self, directory: Path, step: int) -> None:
+        try:
+            await self.swarm.share(directory, step=step)
+        except NodeError as exc:
+            log.warning("sharing policy %d failed: %s", step, exc)
+            return
+        self.checkpoints_shared += 1
+
+    # -- held-out evaluation -------------------------------------------------------------------------
+
+    def _start_eval(self, nursery: trio.Nursery, step: int) -> None:
+        if self._eval_running or not self.config.eval_tasks:
+            return
+        self._eval_running = True
+        weights = self._state.trainer.history.get(step)
+        nursery.start_soon(self._eval, step, weights)
+
+    async def _eval(self, step: int, weights: Any) -> None:
+        t0 = trio.current_time()
+        try:
+            accuracy = await trio.to_thread.run_sync(self._evaluate, weights)
+        finally:
+            self._eval_running = False
+        self.timing.eval_s += trio.current_time() - t0
+        self.held_out.append([step, round(accuracy, 4)])
+        log.info("step %d: held-out greedy accuracy %.3f", step, accuracy)
+
+    async def _final_eval(self) -> None:
+        while self._eval_running:
+            await trio.sleep(0.05)
+        if not self.held_out or self.held_out[-1][0] != self.step:
+            self._eval_running = True
+            await self._eval(self.step, self._state.trainer.history.get(self.step))
+
+    def _evaluate(self, weights: Any) -> float:
+        import torch
+
+        from prime_node.ml.evaluation import greedy_accuracy
+        from prime_node.ml.local_run import with_tied_head
+
+        torch.set_num_threads(1)
+        state = self._state
+        if state.eval_engine is None:
+            from prime_node.ml.engine import TorchEngine
+            from prime_node.ml.model import load_model
+            from prime_node.ml.tokenizer import load_tokenizer
+
+            assert self.base is not None
+            state.eval_tokenizer = load_tokenizer(self.base)
+            state.eval_engine = TorchEngine(
+                load_model(self.base),
+                eos_token_id=state.eval_tokenizer.eos_token_id,
+                pad_token_id=state.eval_tokenizer.pad_token_id,
+            )
+        engine = state.eval_engine
+        engine.load_weights(with_tied_head(engine.model, weights), -1)
+        ids = list(state.task.eval_ids())[: self.config.eval_tasks]
+        return float(
+            greedy_accuracy(
+                engine, state.eval_tokenizer, state.task, ids, max_new_tokens=self.config.max_new_tokens
+            )
+        )
+
+    def close(self) -> None:
+        """Flush the checkpoint writer (the CLI calls this on shutdown)."""
+        if self._state is not None:
+            with contextlib.suppress(NodeError):
+                self._state.writer.close()
+
+
+@dataclass
+class _State:
+    trainer: Any
+    tokenizer: Any
+    task: Any
+    rollout_log: Any
+    writer: Any
+    eval_engine: Any = None
+    eval_tokenizer: Any = None

@@ -1,0 +1,207 @@
+"""The weight swarm's data plane: wallet-authenticated channels (prime_node/dataplane/channel.py) to a
+bounded set of neighbours, one channel per peer pair, each with a bounded send queue.
+
+The swarm above it sees only peers (wallet addresses) and frames: ``on_up(peer)``, ``on_frame(peer,
+bytes)``, ``on_down(peer)``, and ``send(peer, frame)`` which never blocks (CheckpointTransfer's callbacks
+are synchronous). A frame that would overflow a peer's queue closes that peer: a neighbour that cannot keep
+up is worth less than the memory it would pin.
+
+If two peers dial each other at once, both channels complete; both ends keep the one dialed by the
+smaller address and close the other, so exactly one survives without any negotiation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from crypto.keys import Address, WalletKey
+from prime_node.dataplane.channel import AuthenticatedChannel, ChannelError, accept_channel, open_channel
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED_BYTES = 96 << 20
+MAX_QUEUED_FRAMES = 4096
+DEFAULT_MAX_INBOUND = 32
+
+
+@dataclass
+class Link:
+    """One live channel to ``peer`` and its outgoing queue."""
+
+    peer: Address
+    channel: AuthenticatedChannel
+    dialer: Address
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    queue: deque[bytes] = field(default_factory=deque)
+    queued_bytes: int = 0
+    wake: trio.Event = field(default_factory=trio.Event)
+    alive: bool = True
+
+
+class DataPlane:
+    """Channels to neighbours (see the module doc). ``run`` listens; ``dial`` opens one more."""
+
+    def __init__(
+        self,
+        key: WalletKey,
+        *,
+        on_up: Callable[[Address], None],
+        on_frame: Callable[[Address, bytes], None],
+        on_down: Callable[[Address], None],
+        max_inbound: int = DEFAULT_MAX_INBOUND,
+    ) -> None:
+        self.key = key
+        self.on_up = on_up
+        self.on_frame = on_frame
+        self.on_down = on_down
+        self.max_inbound = max_inbound
+        self.links: dict[Address, Link] = {}
+        self.banned: set[Address] = set()
+        self.dialing: set[Address] = set()
+        self.inbound = 0
+        self.refused = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._nursery: trio.Nursery | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+
+    async def run(self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on ``host:port`` until cancelled; reports the bound port."""
+        try:
+            listeners = await trio.open_tcp_listeners(port, host=host)
+        except OSError as exc:
+            raise ChannelError(f"cannot listen on {host}:{port}: {exc}", reason="port_in_use") from exc
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started(int(listeners[0].socket.getsockname()[1]))
+            await trio.serve_listeners(self._accept, listeners, handler_nursery=nursery)
+
+    def dial(self, peer: Address, host: str, port: int) -> None:
+        """Open a channel to ``peer`` in the background (no-op if one exists or is being opened)."""
+        if self._nursery is None or peer in self.links or peer in self.dialing or peer in self.banned:
+            return
+        self.dialing.add(peer)
+        self._nursery.start_soon(self._dial, peer, host, port)
+
+    # --- sending --------------------------------------------------------------------------------------
+
+    def send(self, peer: Address, frame: bytes) -> None:
+        link = self.links.get(peer)
+        if link is None or not link.alive:
+            return
+        if link.queued_bytes + len(frame) > MAX_QUEUED_BYTES or len(link.queue) >= MAX_QUEUED_FRAMES:
+            log.warning("closing %s: its send queue is full (%d bytes)", peer, link.queued_bytes)
+            self.close(peer)
+            return
+        link.queue.append(frame)
+        link.queued_bytes += len(frame)
+        link.wake.set()
+
+    def close(self, peer: Address) -> None:
+        """Drop the channel to ``peer`` now (``on_down`` runs before this returns)."""
+        link = self.links.get(peer)
+        if link is not None:
+            self._drop(link)
+
+    def ban(self, peer: Address) -> None:
+        """Close ``peer`` and refuse its channels from now on."""
+        self.banned.add(peer)
+        self.close(peer)
+
+    # --- internals ------------------------------------------------------------------------------------
+
+    async def _dial(self, peer: Address, host: str, port: int) -> None:
+        try:
+            channel = await open_channel(host, port, self.key, expected_peer=peer)
+        except ChannelError as exc:
+            log.info("data plane: cannot open a channel to %s at %s:%d: %s", peer, host, port, exc)
+            return
+        finally:
+            self.dialing.discard(peer)
+        await self._serve(channel, dialer=self.key.address)
+
+    async def _accept(self, stream: trio.SocketStream) -> None:
+        if self.inbound >= self.max_inbound:
+            self.refused += 1
+            log.debug("data plane: refusing a connection (%d inbound already)", self.inbound)
+            await stream.aclose()
+            return
+        self.inbound += 1
+        try:
+            try:
+                channel = await accept_channel(stream, self.key)
+            except ChannelError:
+                return
+            await self._serve(channel, dialer=channel.remote)
+        finally:
+            self.inbound -= 1
+
+    async def _serve(self, channel: AuthenticatedChannel, *, dialer: Address) -> None:
+        peer = channel.remote
+        try:
+            link = self._adopt(channel, dialer)
+            if link is None:
+                return
+            with link.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._sender, link)
+                    try:
+                        async for frame in channel:
+                            self.bytes_in += len(frame)
+                            self.on_frame(peer, frame)
+                            if not link.alive:
+                                break
+                    except ChannelError as exc:
+                        log.info("data plane: channel to %s failed: %s", peer, exc)
+                    nursery.cancel_scope.cancel()
+            self._drop(link)
+        finally:
+            with trio.CancelScope(shield=True):
+                await channel.aclose()
+
+    def _adopt(self, channel: AuthenticatedChannel, dialer: Address) -> Link | None:
+        peer = channel.remote
+        if peer in self.banned or peer == self.key.address:
+            return None
+        preferred = min(self.key.address.raw, peer.raw)
+        existing = self.links.get(peer)
+        if existing is not None:
+            if dialer.raw != preferred or existing.dialer.raw == preferred:
+                return None  # keep the channel we have
+            self._drop(existing)
+        link = Link(peer, channel, dialer)
+        self.links[peer] = link
+        self.on_up(peer)
+        return link
+
+    def _drop(self, link: Link) -> None:
+        if not link.alive:
+            return
+        link.alive = False
+        link.scope.cancel()
+        link.wake.set()
+        if self.links.get(link.peer) is link:
+            del self.links[link.peer]
+            self.on_down(link.peer)
+
+    async def _sender(self, link: Link) -> None:
+        try:
+            while link.alive:
+                if not link.queue:
+                    link.wake = trio.Event()
+                    await link.wake.wait()
+                    continue
+                frame = link.queue.popleft()
+                link.queued_bytes -= len(frame)
+                await link.channel.send_frame(frame)
+                self.bytes_out += len(frame)
+        except ChannelError as exc:
+            log.info("data plane: sending to %s failed: %s", link.peer, exc)
+        self._drop(link)

@@ -1,0 +1,176 @@
+"""The trainer's intake: rollout batches in, only those a trusted quorum accepted out.
+
+``AdmissionService`` subscribes to ``rollouts`` and ``verdicts``. It keeps recent batch frames by id
+(bounded, oldest forgotten first) and counts verdicts only from the run's ``trusted_validators``
+(``VerdictBook``: ``verdict_quorum`` distinct acceptances and no rejection). A batch is handed out by
+``next_accepted`` once, as soon as it has both its frame and an accepting quorum, whichever came
+first; a batch any trusted validator rejected is never handed out. The frame is not re-verified here:
+its id is BLAKE3 of the exact bytes the validators checked (signature included).
+
+It also does the reputation work on the trainer node (rejections charge the worker's peer), so the
+trainer needs no separate ``ReputationService``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from crypto.digests import blake3
+from crypto.keys import Address
+from prime_node.errors import NodeError
+from prime_node.verification.admission import VerdictBook
+from prime_node.verification.reputation import ReputationService
+from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
+from protocol.codec import decode
+from protocol.envelope import Envelope
+from protocol.errors import ProtocolError
+from protocol.rollouts import RolloutBatch
+from protocol.verdict import Verdict
+
+if TYPE_CHECKING:
+    from prime_node.config import RunConfig
+    from prime_node.node.gossip import Delivered
+    from prime_node.node.service import Node
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AcceptedBatch:
+    """A batch the quorum accepted: what the trainer trains on."""
+
+    batch: RolloutBatch
+    worker: Address
+    batch_id: bytes
+    validator_rewards: tuple[float, ...]
+    """Rewards the (first) accepting validator recomputed; the trainer recomputes its own anyway."""
+
+
+class AdmissionService:
+    """Rollouts and verdicts in; ``next_accepted()`` out (module doc)."""
+
+    def __init__(self, *, run_config: RunConfig, capacity: int = 256, penalise: bool = True) -> None:
+        if not run_config.trusted_validators:
+            raise NodeError(
+                "the run config lists no trusted_validators: a networked trainer only trains on batches "
+                "accepted by validators it names (add their addresses to the run config)",
+                reason="no_trusted_validators",
+            )
+        if capacity < 1:
+            raise ValueError("capacity must be positive")
+        self.run_config = run_config
+        self.capacity = capacity
+        self.penalise = penalise
+        self.reputation = ReputationService(run_config=run_config, subscribe=False)
+        self.book = VerdictBook(quorum=run_config.verdict_quorum, capacity=16 * capacity)
+        self.counts: Counter[str] = Counter()
+        self.rejected_by_reason: Counter[str] = Counter()
+        self.accepted_by_worker: Counter[str] = Counter()
+        self._frames: OrderedDict[bytes, RolloutBatch] = OrderedDict()
+        self._first_accept: dict[bytes, Verdict] = {}
+        self._settled: OrderedDict[bytes, bool] = OrderedDict()  # handed out (True) or rejected (False)
+        self._ready: deque[AcceptedBatch] = deque()
+        self._wakeup = trio.Event()
+
+    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.reputation.attach(node)
+        await node.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
+        await node.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
+        task_status.started()
+
+    async def next_accepted(self) -> AcceptedBatch:
+        """The next batch an accepting quorum of trusted validators vouched for (waits for one)."""
+        while not self._ready:
+            self._wakeup = trio.Event()
+            await self._wakeup.wait()
+        return self._ready.popleft()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "accepted": self.counts["accepted"],
+            "rejected": dict(self.rejected_by_reason),
+            "accepted_by_worker": dict(self.accepted_by_worker),
+            "pending": len(self._frames),
+            "ready": len(self._ready),
+            "dropped": self.counts["dropped_frames"] + self.counts["dropped_ready"],
+            "untrusted_verdicts": self.reputation.counts["verdicts_ignored_untrusted_validator"],
+        }
+
+    # -- handlers ---------------------------------------------------------------------------------------
+
+    async def _on_rollout(self, message: Delivered) -> None:
+        if self.reputation.worker_banned(message.origin):
+            self.counts["dropped_banned"] += 1
+            return
+        batch_id = blake3(message.payload)
+        if batch_id in self._settled or batch_id in self._frames:
+            return
+        try:
+            envelope = decode(message.payload, Envelope)
+            batch = decode(envelope.payload, RolloutBatch)
+        except ProtocolError as exc:
+            self.counts["malformed_frames"] += 1
+            log.info("unreadable rollout frame from %s: %s", message.origin, exc)
+            return
+        if envelope.signer != batch.worker or batch.run_id != self.run_config.run_id:
+            self.counts["malformed_frames"] += 1
+            return
+        self.reputation.learn(message.origin, message.origin_peer_id)
+        self._frames[batch_id] = batch
+        while len(self._frames) > self.capacity:
+            forgotten, _ = self._frames.popitem(last=False)
+            self._first_accept.pop(forgotten, None)
+            self.counts["dropped_frames"] += 1
+        self._settle(batch_id)
+
+    async def _on_verdict(self, message: Delivered) -> None:
+        opened = self.reputation.open(message.payload)
+        if opened is None:
+            return
+        verdict, validator = opened
+        if self.penalise:
+            self.reputation.observe(verdict)
+        self.book.record(verdict, validator)
+        if verdict.accepted:
+            self._first_accept.setdefault(verdict.batch_id, verdict)
+        self._settle(verdict.batch_id)
+
+    # -- bookkeeping ------------------------------------------------------------------------------------
+
+    def _settle(self, batch_id: bytes) -> None:
+        if batch_id in self._settled:
+            return
+        if self.book.rejected(batch_id):
+            self._mark(batch_id, handed_out=False)
+            self._frames.pop(batch_id, None)
+            self._first_accept.pop(batch_id, None)
+            self.counts["rejected"] += 1
+            verdict = self.book.verdict_of(batch_id)
+            for reason in verdict.reasons if verdict is not None else ("rejected",):
+                self.rejected_by_reason[reason] += 1
+            return
+        batch = self._frames.get(batch_id)
+        if batch is None or not self.book.admitted(batch_id):
+            return
+        del self._frames[batch_id]
+        first = self._first_accept.pop(batch_id, None)
+        self._mark(batch_id, handed_out=True)
+        self.counts["accepted"] += 1
+        self.accepted_by_worker[str(batch.worker)] += 1
+        self._ready.append(
+            AcceptedBatch(batch, batch.worker, batch_id, first.rewards if first is not None else ())
+        )
+        while len(self._ready) > self.capacity:
+            self._ready.popleft()
+            self.counts["dropped_ready"] += 1
+        self._wakeup.set()
+
+    def _mark(self, batch_id: bytes, *, handed_out: bool) -> None:
+        self._settled[batch_id] = handed_out
+        while len(self._settled) > 16 * self.capacity:
+            self._settled.popitem(last=False)
