@@ -4,11 +4,14 @@ documented once, and the NodeConfig they make."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from prime_node.node_config import NodeConfig
+
+if TYPE_CHECKING:
+    from crypto.keys import WalletKey
 
 BootstrapOption = Annotated[
     list[str] | None,
@@ -62,6 +65,7 @@ def network_config(
     heartbeat_interval: float,
     bootstrap_timeout: float,
     role: str = "auto",
+    dead_after: float = 0.0,
 ) -> NodeConfig:
     """A checked NodeConfig from the flags above; NodeError (one line) on a bad value."""
     from prime_node.errors import NodeError
@@ -78,6 +82,7 @@ def network_config(
             run_id=run,
             heartbeat_interval=heartbeat_interval,
             bootstrap_timeout=bootstrap_timeout,
+            dead_after=dead_after,
         )
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         problems = "; ".join(
@@ -88,3 +93,49 @@ def network_config(
     for address in config.bootstrap:
         parse_multiaddr(address, need_peer_id=True)
     return config
+
+
+def node_key(
+    data_dir: Path,
+    keystore: Path | None,
+    password_file: Path | None,
+    password_env: str | None,
+    no_password: bool,
+    *,
+    new_wallet: bool,
+    light_kdf: bool,
+) -> WalletKey:
+    """The node's wallet key: --keystore, else $PRIME_NODE_KEYSTORE, else DATA_DIR/keystore.json; with
+    --new-wallet a missing keystore is created first."""
+    import os
+
+    from crypto.keys import WalletKey
+    from prime_node.errors import NodeError
+    from prime_node.paths import KEYSTORE_ENV
+    from prime_node.wallet_store import LIGHT_SCRYPT, PasswordSource, create_keystore, unlock_keystore
+
+    path = keystore or (
+        Path(os.environ[KEYSTORE_ENV]) if os.environ.get(KEYSTORE_ENV) else data_dir / "keystore.json"
+    )
+    source = PasswordSource(password_file, password_env, no_password)
+    if path.exists():
+        return unlock_keystore(path, source.resolve())
+    if not new_wallet:
+        raise NodeError(
+            f"no keystore at {path}; create one with `prime-node wallet new --keystore {path}` "
+            "or pass --new-wallet",
+            reason="no_keystore",
+        )
+    key = WalletKey.generate()
+    password = source.resolve(confirm=True)
+    if light_kdf:
+        create_keystore(path, key, password, scrypt=LIGHT_SCRYPT)
+    else:
+        create_keystore(path, key, password)
+    typer.echo(f"created keystore {path} for {key.address}", err=True)
+    return key
+
+
+def dataplane_host_for(listen: str) -> str:
+    """The data plane listens where libp2p does: loopback stays loopback, anything else on all addresses."""
+    return "127.0.0.1" if listen.startswith("/ip4/127.") else "0.0.0.0"

@@ -22,6 +22,7 @@ from prime_node.cli.network_options import (
     ListenOption,
     NewWalletOption,
     RunOption,
+    node_key,
 )
 from prime_node.cli.options import (
     JsonOption,
@@ -76,7 +77,15 @@ def share(
     from prime_node.swarm.service import SwarmService
 
     config = _config(locals())
-    key = _key(config.data_dir, keystore, password_file, password_env, no_password, new_wallet, light_kdf)
+    key = node_key(
+        config.data_dir,
+        keystore,
+        password_file,
+        password_env,
+        no_password,
+        new_wallet=new_wallet,
+        light_kdf=light_kdf,
+    )
     swarm = SwarmService(
         key=key,
         run_id=config.run_id,
@@ -174,7 +183,15 @@ def fetch(
         raise NodeError(f"{out} already exists; choose another --out or remove it", reason="output_exists")
     _probe_writable(out.parent)
     config = _config(locals())
-    key = _key(config.data_dir, keystore, password_file, password_env, no_password, new_wallet, light_kdf)
+    key = node_key(
+        config.data_dir,
+        keystore,
+        password_file,
+        password_env,
+        no_password,
+        new_wallet=new_wallet,
+        light_kdf=light_kdf,
+    )
     swarm = SwarmService(
         key=key,
         run_id=config.run_id,
@@ -238,29 +255,6 @@ def _config(options: dict[str, Any]) -> NodeConfig:
         heartbeat_interval=options["heartbeat_interval"],
         bootstrap_timeout=options["bootstrap_timeout"],
     )
-
-
-def _key(
-    data_dir: Path,
-    keystore: Path | None,
-    password_file: Path | None,
-    password_env: str | None,
-    no_password: bool,
-    new_wallet: bool,
-    light_kdf: bool,
-) -> WalletKey:
-    import os
-
-    from prime_node.cli.node import _load_or_create_key
-    from prime_node.paths import KEYSTORE_ENV
-    from prime_node.wallet_store import PasswordSource
-
-    path = keystore or (
-        Path(os.environ[KEYSTORE_ENV]) if os.environ.get(KEYSTORE_ENV) else data_dir / "keystore.json"
-    )
-    source = PasswordSource(password_file, password_env, no_password)
-    key: WalletKey = _load_or_create_key(path, source, create=new_wallet, light_kdf=light_kdf)
-    return key
 
 
 def _probe_writable(parent: Path) -> None:
@@ -329,41 +323,15 @@ def _run(
     until_signal: bool,
 ) -> None:
     """Run a node with the swarm service, then ``body``; stop when it returns (``until_signal``: on
-    SIGINT/SIGTERM)."""
-    import signal
+    SIGINT/SIGTERM). Stdout is kept for the command's own output."""
+    from prime_node.node.runner import run_node_until_signal
 
-    import trio
-
-    from prime_node.errors import first_node_error
-    from prime_node.node.runner import _start_watchdog
-    from prime_node.node.service import Node
-    from prime_node.p2p.libp2p_host import open_libp2p_host
-
-    def open_host(wallet: WalletKey):  # type: ignore[no-untyped-def]
-        return open_libp2p_host(wallet, config.listen)
-
-    async def main() -> None:
-        node = Node(config, key, open_host, services=[swarm])
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(node.run)
-
-                async def stop_on_signal() -> None:
-                    async for received in signals:
-                        typer.echo(f"received {signal.Signals(received).name}, shutting down", err=True)
-                        _start_watchdog()
-                        nursery.cancel_scope.cancel()
-                        return
-
-                nursery.start_soon(stop_on_signal)
-                await body(node)
-                if not until_signal:
-                    nursery.cancel_scope.cancel()
-
-    try:
-        trio.run(main)
-    except BaseException as exc:
-        found = first_node_error(exc)
-        if found is not None:
-            raise found from None
-        raise
+    run_node_until_signal(
+        config,
+        key,
+        echo=lambda line: typer.echo(line, err=True),
+        services=[swarm],
+        body=body,
+        stop_when_body_returns=not until_signal,
+        print_identity=False,
+    )

@@ -133,12 +133,10 @@ def run_trainer(
 
 def _networked(run: Any, flags: dict[str, Any]) -> None:
     """The networked trainer node (prime_node/roles/trainer_node.py)."""
-    from prime_node.cli.network_options import network_config
-    from prime_node.cli.node import _load_or_create_key, dataplane_host_for
+    from prime_node.cli.network_options import dataplane_host_for, network_config, node_key
     from prime_node.errors import NodeError
-    from prime_node.paths import KEYSTORE_ENV, default_data_dir
+    from prime_node.paths import default_data_dir
     from prime_node.roles.trainer_node import build_trainer_node, run_trainer_node
-    from prime_node.wallet_store import PasswordSource
 
     directory = flags["data_dir"] if flags["data_dir"] is not None else default_data_dir()
     node_config = network_config(
@@ -151,13 +149,15 @@ def _networked(run: Any, flags: dict[str, Any]) -> None:
         heartbeat_interval=flags["heartbeat_interval"],
         bootstrap_timeout=flags["bootstrap_timeout"],
     )
-    keystore_path = flags["keystore"] or (
-        Path(os.environ[KEYSTORE_ENV]) if os.environ.get(KEYSTORE_ENV) else directory / "keystore.json"
-    )
-    source = PasswordSource(flags["password_file"], flags["password_env"], flags["no_password"])
     try:
-        key = _load_or_create_key(
-            keystore_path, source, create=flags["new_wallet"], light_kdf=flags["light_kdf"]
+        key = node_key(
+            directory,
+            flags["keystore"],
+            flags["password_file"],
+            flags["password_env"],
+            flags["no_password"],
+            new_wallet=flags["new_wallet"],
+            light_kdf=flags["light_kdf"],
         )
     except NodeError as exc:
         if exc.reason != "no_keystore":

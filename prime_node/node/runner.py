@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
@@ -23,13 +23,25 @@ from prime_node.node_config import NodeConfig
 SHUTDOWN_DEADLINE = 5.0
 
 
+NodeBody = Callable[[Node], Awaitable[None]]
+
+
 def run_node_until_signal(
     config: NodeConfig,
     key: WalletKey,
     *,
     echo: Callable[[str], None],
     services: Sequence[NodeService] = (),
+    body: NodeBody | None = None,
+    stop_when_body_returns: bool = False,
+    print_identity: bool = True,
 ) -> None:
+    """Run one node (with ``services``) until SIGINT/SIGTERM.
+
+    ``print_identity`` echoes one JSON line with the node's address, multiaddrs and API once it listens
+    (what others bootstrap from). ``body`` then runs beside the node (a command's own work: share, fetch,
+    report the trainer's evaluations); with ``stop_when_body_returns`` the node stops when it is done.
+    """
     from prime_node.p2p.libp2p_host import open_libp2p_host
 
     def open_host(wallet: WalletKey):  # type: ignore[no-untyped-def]
@@ -40,17 +52,20 @@ def run_node_until_signal(
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
-                echo(
-                    json.dumps(
-                        {
-                            "address": node.identity.address,
-                            "peer_id": node.identity.peer_id,
-                            "multiaddrs": node.advertised_multiaddrs(),
-                            "api": node.api_url,
-                            "node_file": str(node.node_file()),
-                        }
+                if print_identity:
+                    echo(
+                        json.dumps(
+                            {
+                                "address": node.identity.address,
+                                "peer_id": node.identity.peer_id,
+                                "multiaddrs": node.advertised_multiaddrs(),
+                                "api": node.api_url,
+                                "node_file": str(node.node_file()),
+                            }
+                        )
                     )
-                )
+                if body is not None:
+                    nursery.start_soon(_run_body, body, node, nursery.cancel_scope, stop_when_body_returns)
                 async for received in signals:
                     echo(f"received {signal.Signals(received).name}, shutting down")
                     _start_watchdog()
@@ -64,6 +79,12 @@ def run_node_until_signal(
         if found is not None:
             raise found from None
         raise
+
+
+async def _run_body(body: NodeBody, node: Node, scope: trio.CancelScope, stop_after: bool) -> None:
+    await body(node)
+    if stop_after:
+        scope.cancel()
 
 
 def _start_watchdog() -> None:

@@ -10,17 +10,13 @@ SIGINT/SIGTERM, or until ``max_steps`` with ``exit_when_done``.
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import trio
-
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
-from prime_node.errors import first_node_error
 from prime_node.node_config import NodeConfig
 
 
@@ -88,49 +84,21 @@ def run_trainer_node(
     echo: Callable[[str], None],
     exit_when_done: bool,
 ) -> None:
-    from prime_node.node.runner import _start_watchdog
-    from prime_node.node.service import Node
-    from prime_node.p2p.libp2p_host import open_libp2p_host
+    from prime_node.node.runner import run_node_until_signal
 
-    def open_host(wallet: WalletKey) -> Any:
-        return open_libp2p_host(wallet, node_config.listen)
-
-    async def main() -> None:
-        node = Node(node_config, key, open_host, services=parts.services)
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(node.run)
-                echo(
-                    json.dumps(
-                        {
-                            "address": node.identity.address,
-                            "peer_id": node.identity.peer_id,
-                            "multiaddrs": node.advertised_multiaddrs(),
-                            "api": node.api_url,
-                            "node_file": str(node.node_file()),
-                        }
-                    )
-                )
-
-                async def finish() -> None:
-                    await parts.trainer.done.wait()
-                    for step, accuracy in parts.trainer.held_out:
-                        echo(json.dumps({"eval_step": step, "heldout_greedy_accuracy": accuracy}))
-                    if exit_when_done:
-                        nursery.cancel_scope.cancel()
-
-                nursery.start_soon(finish)
-                async for received in signals:
-                    echo(f"received {signal.Signals(received).name}, shutting down")
-                    _start_watchdog()
-                    nursery.cancel_scope.cancel()
-                    break
-        await trio.to_thread.run_sync(parts.trainer.close)
+    async def report_evaluations(node: Any) -> None:
+        await parts.trainer.done.wait()
+        for step, accuracy in parts.trainer.held_out:
+            echo(json.dumps({"eval_step": step, "heldout_greedy_accuracy": accuracy}))
 
     try:
-        trio.run(main)
-    except BaseException as exc:
-        found = first_node_error(exc)
-        if found is not None:
-            raise found from None
-        raise
+        run_node_until_signal(
+            node_config,
+            key,
+            echo=echo,
+            services=parts.services,
+            body=report_evaluations,
+            stop_when_body_returns=exit_when_done,
+        )
+    finally:
+        parts.trainer.close()
