@@ -158,7 +158,7 @@ class RoleRunner:
         }
 
     async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        from prime_node.hardware import probe
+        from prime_node.hardware import probe, to_summary
 
         self._node = node
         node.status_sections["role"] = self.status
@@ -168,6 +168,7 @@ class RoleRunner:
             preloaded = trio.Event()  # transformers' lazy imports race across threads (E2: demo crashes)
             nursery.start_soon(_preload_in_thread, preloaded)
             self.profile = await trio.to_thread.run_sync(probe, self.gpus, self.data_dir)
+            node.hardware = to_summary(self.profile)  # heartbeats show the GPUs --gpu selected
             announcement = await self.follower.wait()
             self.config = config = worker_run_config(announcement, output_dir=self.data_dir / "run")
             self.swarm.trainer = announcement.trainer
@@ -188,6 +189,7 @@ class RoleRunner:
                 await trio.sleep(self.interval)
 
     def _decide(self, node: Node, requirements: RunRequirements) -> RoleDecision:
+        from protocol.errors import LocalProtocolError
         from protocol.roles import RolePolicyConfig, SwarmDemand, choose_role
 
         assert self.profile is not None and self.config is not None
@@ -212,7 +214,7 @@ class RoleRunner:
         )
         try:
             return choose_role(self.profile, requirements, demand, self.state, now, policy)
-        except Exception as exc:  # LocalProtocolError: --role trainer without the key
+        except LocalProtocolError as exc:  # --role trainer without the trainer key
             raise NodeError(str(exc), reason="bad_role") from exc
 
     async def _switch(

@@ -139,3 +139,27 @@ def test_a_fetcher_killed_with_sigkill_resumes_from_its_verified_pieces(
     result = json.loads(rerun.stdout.strip().splitlines()[-1])
     assert result["resumed_pieces"] >= held  # these were not downloaded again
     assert read_tree(tmp_path / "out") == read_tree(model)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_and_a_rerun_with_room_completes(
+    tmp_path: Path, seeder: tuple[dict[str, object], Path]
+) -> None:
+    """The fetcher's data dir on a 1 MiB tmpfs cannot hold the 4 MiB checkpoint: one clear line, exit 1,
+    no --out; the same fetch with room completes byte-identical."""
+    share, model = seeder
+    mid = str(share["manifest_id"])
+    small = tmp_path / "small"
+    small.mkdir()
+    if run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)]).returncode != 0:
+        pytest.skip("needs permission to mount a small tmpfs")
+    try:
+        full = run(fetch(small, "out", mid, share), timeout=120)
+        assert full.returncode == 1, full.stderr
+        assert full.stderr.strip().splitlines()[-1].startswith("error: disk full"), full.stderr
+        assert not (small / "out").exists()
+    finally:
+        run(["umount", "-l", str(small)])
+    done = run(fetch(tmp_path, "out", mid, share), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert read_tree(tmp_path / "out") == read_tree(model)
