@@ -28,6 +28,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
+from peer_io import cpu_seconds, say, stdin_lines  # noqa: E402  (this script's folder)
 
 from crypto.keys import Address, WalletKey  # noqa: E402
 from prime_node.swarm.piece_store import PieceStore  # noqa: E402
@@ -38,27 +39,6 @@ from protocol.manifest import Manifest  # noqa: E402
 from protocol.swarm.node import SwarmConfig  # noqa: E402
 
 TICK = 0.5
-
-
-def _say(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-async def _lines(stdin: trio.lowlevel.FdStream) -> Any:
-    buffer = b""
-    while True:
-        chunk = await stdin.receive_some(4096)
-        if not chunk:
-            return
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            yield line.decode().strip()
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -75,11 +55,11 @@ async def run(args: argparse.Namespace) -> None:
         pieces = store
     config = SwarmConfig(super_seed=bool(args.origin) and not args.no_super_seed)
     completed_at: list[float] = []
-    start_cpu = _cpu()
+    start_cpu = cpu_seconds()
 
     def on_complete() -> None:
         completed_at.append(trio.current_time())
-        _say(event="complete", cpu_s=round(_cpu() - start_cpu, 3))
+        say(event="complete", cpu_s=round(cpu_seconds() - start_cpu, 3))
 
     plane: DataPlane
 
@@ -108,8 +88,8 @@ async def run(args: argparse.Namespace) -> None:
     stdin = trio.lowlevel.FdStream(os.dup(0))
     async with trio.open_nursery() as nursery:
         await nursery.start(plane.run, host, int(port))
-        _say(event="ready")
-        lines = _lines(stdin)
+        say(event="ready")
+        lines = stdin_lines(stdin)
         async for line in lines:
             if line == "go":
                 break
@@ -126,9 +106,9 @@ async def run(args: argparse.Namespace) -> None:
         async for line in lines:
             if line == "stop":
                 break
-        _say(
+        say(
             event="stats",
-            cpu_s=round(_cpu() - start_cpu, 3),
+            cpu_s=round(cpu_seconds() - start_cpu, 3),
             bytes_in=transfer.bytes_in,
             bytes_out=transfer.bytes_out,
             complete=transfer.completed,

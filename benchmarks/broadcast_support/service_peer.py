@@ -12,18 +12,17 @@ stored, {"event": "complete"} when the directory is written; "stop" ends it with
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import resource
 import sys
 from pathlib import Path
-from typing import Any
 
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
+
+from peer_io import cpu_seconds, say, stdin_lines  # noqa: E402  (this script's folder)
 
 from crypto.keys import Address, WalletKey  # noqa: E402
 from prime_node.cli.network_options import network_config  # noqa: E402
@@ -33,27 +32,6 @@ from prime_node.swarm.service import SwarmService  # noqa: E402
 
 DATA_PORT = 7400
 POLL = 0.05
-
-
-def _say(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-async def _lines(stdin: trio.lowlevel.FdStream) -> Any:
-    buffer = b""
-    while True:
-        chunk = await stdin.receive_some(4096)
-        if not chunk:
-            return
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            yield line.decode().strip()
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -81,25 +59,25 @@ async def run(args: argparse.Namespace) -> None:
     )
     node = Node(config, key, lambda wallet: open_libp2p_host(wallet, config.listen), services=[swarm])
     stdin = trio.lowlevel.FdStream(os.dup(0))
-    lines = _lines(stdin)
+    lines = stdin_lines(stdin)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
-        start_cpu = _cpu()
+        start_cpu = cpu_seconds()
         if args.origin:
             piece_size = args.piece_kib * 1024 if args.piece_kib else None
             manifest = await swarm.share(Path(args.origin), step=1, piece_size=piece_size)
-            _say(event="ready", manifest_id=manifest.id().hex(), multiaddrs=node.advertised_multiaddrs())
+            say(event="ready", manifest_id=manifest.id().hex(), multiaddrs=node.advertised_multiaddrs())
         else:
             with trio.move_on_after(args.link_wait):
                 while len(swarm.dataplane.links) < args.min_links:
                     await trio.sleep(POLL)
-            _say(event="ready", links=len(swarm.dataplane.links))
+            say(event="ready", links=len(swarm.dataplane.links))
         mid = b""
         async for line in lines:
             if line.startswith("go"):
                 mid = bytes.fromhex(line.split()[1]) if len(line.split()) > 1 else b""
                 break
-        start_cpu = _cpu()
+        start_cpu = cpu_seconds()
         if mid and not args.origin:
             if args.dial_origin:  # one tier: every receiver must reach the origin itself
                 host, port = args.dial_origin.rsplit(":", 1)
@@ -108,13 +86,13 @@ async def run(args: argparse.Namespace) -> None:
             async def fetch() -> None:
                 nursery.start_soon(watch)
                 await swarm.fetch(mid)
-                _say(event="complete", cpu_s=round(_cpu() - start_cpu, 3))
+                say(event="complete", cpu_s=round(cpu_seconds() - start_cpu, 3))
 
             async def watch() -> None:
                 while True:
                     progress = swarm.progress(mid)
                     if progress is not None and progress[0] == progress[1]:
-                        _say(event="verified", cpu_s=round(_cpu() - start_cpu, 3))
+                        say(event="verified", cpu_s=round(cpu_seconds() - start_cpu, 3))
                         return
                     await trio.sleep(POLL)
 
@@ -134,9 +112,9 @@ async def run(args: argparse.Namespace) -> None:
             }
         else:
             extra = {}
-        _say(
+        say(
             event="stats",
-            cpu_s=round(_cpu() - start_cpu, 3),
+            cpu_s=round(cpu_seconds() - start_cpu, 3),
             bytes_in=swarm.dataplane.bytes_in,
             bytes_out=swarm.dataplane.bytes_out,
             links=len(swarm.dataplane.links),

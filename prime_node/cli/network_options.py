@@ -8,10 +8,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from prime_node.node_config import NodeConfig
-
 if TYPE_CHECKING:
     from crypto.keys import WalletKey
+    from prime_node.node_config import NodeConfig
 
 BootstrapOption = Annotated[
     list[str] | None,
@@ -69,6 +68,7 @@ def network_config(
 ) -> NodeConfig:
     """A checked NodeConfig from the flags above; NodeError (one line) on a bad value."""
     from prime_node.errors import NodeError
+    from prime_node.node_config import NodeConfig
     from prime_node.p2p.libp2p_host import parse_multiaddr
 
     try:
