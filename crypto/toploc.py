@@ -30,8 +30,11 @@ Top-k selection is deterministic: magnitude first (``bits & 0x7FFF`` orders bf16
 then the lower index, so two honest parties with identical bf16 tensors pick identical sets even when
 magnitudes tie (bf16 ties are common).
 
-Everything is vectorised across chunks with int64 numpy (all products stay below 2^32), so building a
-batch of proofs costs a few hundred numpy calls in total, not per chunk. Pure: no I/O, no torch.
+Everything is vectorised across chunks with numpy (exact integers in float64), so building a batch of
+proofs costs a few hundred numpy calls in total, not per chunk. Wide chunks are pre-filtered before the
+top-k (a threshold from a strided sample keeps a few times k candidates; float32 input is rounded to
+bf16 only for those), and chunks of at most k entries, whose points are always {0, …, k−1}, are
+interpolated with one matrix product against a precomputed basis. Pure: no I/O, no torch.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -175,6 +178,8 @@ def interpolate(xs: Int64Array, ys: Int64Array) -> Int64Array:
     ``xs`` must be distinct elements of the field in every row. Newton's divided differences, then the
     Newton form expanded Horner-style (Q ← dd_i + (x − x_i)·Q) into the monomial basis. Every step is
     one numpy operation over all rows at once, on float64 holding exact integers (see ``_reduce``).
+    Rows whose points are exactly {0, …, k−1} (every chunk of at most k entries, padded) skip all that:
+    their coefficients are one matrix product with the precomputed inverse Vandermonde matrix.
     """
     xs = _as_points(xs, "xs")
     ys = np.asarray(ys, dtype=np.int64)
@@ -185,16 +190,34 @@ def interpolate(xs: Int64Array, ys: Int64Array) -> Int64Array:
     ordered = np.sort(xs, axis=1)
     if bool(np.any(ordered[:, 1:] == ordered[:, :-1])):
         raise CryptoError("interpolation points must have distinct x", reason="duplicate_points")
-    blocks = [
-        _interpolate_block(xs[i : i + _BLOCK_ROWS], ys[i : i + _BLOCK_ROWS])
-        for i in range(0, len(xs), _BLOCK_ROWS)
-    ]
-    result: Int64Array = np.concatenate(blocks)
+    k = xs.shape[1]
+    result: Int64Array = np.empty(xs.shape, dtype=np.int64)
+    # Distinct non-negative x with maximum k − 1 are exactly {0, …, k − 1}.
+    fixed = ordered[:, -1] == k - 1
+    if bool(fixed.any()):
+        rows = np.flatnonzero(fixed)
+        by_x = np.empty((rows.size, k), dtype=np.float64)
+        np.put_along_axis(by_x, xs[rows], (ys[rows] % FIELD_PRIME).astype(np.float64), axis=1)
+        # Entries below p: every sum of k products stays below 2^39, exact in float64.
+        result[rows] = (by_x @ _lagrange_basis(k)).astype(np.int64) % FIELD_PRIME
+    general = np.flatnonzero(~fixed)
+    for i in range(0, general.size, _BLOCK_ROWS):
+        rows = general[i : i + _BLOCK_ROWS]
+        result[rows] = _interpolate_block(xs[rows], ys[rows])
     return result
 
 
 # Rows per vectorised block: large enough to amortise numpy's per-call cost, small enough to stay in cache.
-_BLOCK_ROWS = 256
+_BLOCK_ROWS = 512
+
+
+@functools.cache
+def _lagrange_basis(k: int) -> npt.NDArray[np.float64]:
+    """[x, :] = coefficients of the Lagrange basis polynomial of x over the points {0, …, k − 1}."""
+    points = np.tile(np.arange(k, dtype=np.int64), (k, 1))
+    table = _interpolate_block(points, np.eye(k, dtype=np.int64)).astype(np.float64)
+    table.setflags(write=False)
+    return table
 
 
 def _reduce(values: npt.NDArray[np.float64], scratch: npt.NDArray[np.float64]) -> None:
@@ -214,51 +237,62 @@ _INVERSE_PRIME = 1.0 / FIELD_PRIME
 
 
 def _interpolate_block(xs: Int64Array, ys: Int64Array) -> Int64Array:
-    k = xs.shape[1]
-    inverse = _inverse_table_f64()
-    current = (ys % FIELD_PRIME).astype(np.float64)
+    # Work transposed, [point, row], so every slice below is one contiguous run of memory.
+    k, rows = xs.shape[1], xs.shape[0]
+    inverse = _shifted_inverse_table()
+    x = np.ascontiguousarray(xs.T)
+    x_shifted = x + FIELD_PRIME
+    current = np.ascontiguousarray((ys % FIELD_PRIME).T, dtype=np.float64)
     following = np.empty_like(current)
     scratch = np.empty_like(current)
-    dd = np.empty_like(current)  # Newton coefficients: dd[:, i] = f[x_0, ..., x_i]
-    dd[:, 0] = current[:, 0]
-    # Divided differences: after pass `gap`, current[:, j] ≡ f[x_j, ..., x_{j+gap}]; its first column is
-    # the next Newton coefficient. A negative x difference indexes the inverse table from its end, which
-    # is exactly its residue mod p. Reduction is lazy: from residues in [0, p] one pass yields
-    # |v| < p² < 2^32, a second |v| < 2^49, still exact in float64; so only every other pass reduces
-    # (a reduction costs four passes over the data).
+    factors = np.empty((k, rows), dtype=np.uint16)
+    gaps = np.empty((k, rows), dtype=np.int64)
+    dd = np.empty_like(current)  # Newton coefficients: dd[i] = f[x_0, ..., x_i]
+    dd[0] = current[0]
+    # Divided differences: after pass `gap`, current[j] ≡ f[x_j, ..., x_{j+gap}]; its first row is the
+    # next Newton coefficient. x_{j+gap} − x_j + p indexes the inverse table shifted by p, which is the
+    # inverse of its residue. Reduction is lazy: from residues in [0, p] one pass yields |v| < p² < 2^32,
+    # a second |v| < 2^49, still exact in float64; so only every other pass reduces (a reduction costs
+    # four passes over the data).
     for gap in range(1, k):
         width = k - gap
-        diff = following[:, :width]
-        np.subtract(current[:, 1 : width + 1], current[:, :width], out=diff)
-        diff *= inverse[xs[:, gap:] - xs[:, :width]]
+        diff = following[:width]
+        np.subtract(current[1 : width + 1], current[:width], out=diff)
+        np.subtract(x_shifted[gap:], x[:width], out=gaps[:width])
+        np.take(inverse, gaps[:width], out=factors[:width], mode="clip")
+        diff *= factors[:width]
         if gap % 2 == 0:
-            _reduce(diff, scratch[:, :width])
-        dd[:, gap] = diff[:, 0]
+            _reduce(diff, scratch[:width])
+        dd[gap] = diff[0]
         current, following = following, current
     _reduce(dd, scratch)
-    # Q = dd_{k-1}; for i = k-2 … 0: Q ← dd_i + (x − x_i)·Q. Q's coefficients are constant-term first.
-    # All terms are non-negative; from values ≤ p one step gives < 2^33 and a second < 2^49 (exact), so
+    # Q = dd_{k-1}; for i = k-2 … 0: Q ← dd_i + (x − x_i)·Q. Q lives in poly[s : k] with its constant
+    # term at row s; the product by x is a shift by one row, so the new Q (at s − 1) is
+    # poly[s − 1 : k − 1] += (−x_i)·poly[s : k], plus dd_i on its constant term (poly starts at zero).
+    # All terms are non-negative; from values ≤ p one step gives < 2^33 and a second < 2^50 (exact), so
     # again only every other step reduces, and the final integer % p finishes the job.
-    minus_x = ((-xs) % FIELD_PRIME).astype(np.float64)
+    minus_x = ((-x) % FIELD_PRIME).astype(np.float64)
     poly = np.zeros_like(dd)
-    nxt = np.zeros_like(dd)
-    poly[:, 0] = dd[:, k - 1]
+    product = following
+    poly[k - 1] = dd[k - 1]
     for i in range(k - 2, -1, -1):
         degree = k - 2 - i
-        np.multiply(poly[:, : degree + 1], minus_x[:, i : i + 1], out=nxt[:, : degree + 1])
-        nxt[:, degree + 1] = poly[:, degree]
-        nxt[:, 1 : degree + 1] += poly[:, :degree]
-        nxt[:, 0] += dd[:, i]
+        np.multiply(poly[i + 1 :], minus_x[i], out=product[: degree + 1])
+        poly[i : k - 1] += product[: degree + 1]
+        poly[i] += dd[i]
         if degree % 2 == 1:
-            _reduce(nxt[:, : degree + 2], scratch[:, : degree + 2])
-        poly, nxt = nxt, poly
-    result: Int64Array = poly.astype(np.int64) % FIELD_PRIME
+            _reduce(poly[i:], scratch[: degree + 2])
+    result: Int64Array = np.ascontiguousarray(poly.T).astype(np.int64) % FIELD_PRIME
     return result
 
 
 @functools.cache
-def _inverse_table_f64() -> npt.NDArray[np.float64]:
-    table = _inverse_table().astype(np.float64)
+def _shifted_inverse_table() -> npt.NDArray[np.uint16]:
+    """[d + p] = (d mod p)⁻¹ for d in (−p, p): the inverse of a difference of two field elements.
+
+    uint16 (256 KiB) rather than float64: the lookups are random, and the smaller table stays in cache."""
+    inverse = _inverse_table().astype(np.uint16)
+    table = np.concatenate([inverse, inverse])
     table.setflags(write=False)
     return table
 
@@ -353,16 +387,202 @@ def top_entries(bits: UInt16Array, k: int) -> Int64Array:
     n = bits.shape[1]
     if not 0 < k <= n:
         raise CryptoError(f"cannot pick {k} of {n} entries", reason="bad_shape")
+    indices, _ = _top_block(bits, k)
+    return indices
+
+
+def bf16_round(values: FloatArray) -> UInt16Array:
+    """bf16 bit patterns of float32 values: round to nearest even, as torch does; every NaN → 0x7FC0.
+
+    (torch's own vectorised CPU kernels give 0xFFFF for NaN, its scalar ones 0x7FC0; an honest model
+    produces no NaN, and one fixed answer keeps inferer and validator from depending on CPU features.)
+    """
+    words = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((words + ((words >> 16) & 1) + 0x7FFF) >> 16).astype(np.uint16)
+    rounded[(words & 0x7FFFFFFF) > 0x7F800000] = 0x7FC0
+    return rounded
+
+
+def select_points(blocks: Sequence[UInt16Array | FloatArray], topk: int = TOPK) -> PointSet:
+    """The committed points of every row of every block, in order (rows of all blocks concatenated).
+
+    A block is 2-D, one chunk per row: bf16 bit patterns (uint16), or float32 values, which are rounded
+    to bf16 here (``bf16_round``; only the entries that can reach the top-k are ever rounded). Blocks
+    of equal width are processed together.
+    """
+    blocks = [_checked_block(block) for block in blocks]
+    sizes = [block.shape[0] for block in blocks]
+    total = sum(sizes)
+    xs = np.empty((total, topk), dtype=np.int64)
+    ys = np.zeros((total, topk), dtype=np.int64)
+    counts = np.empty(total, dtype=np.int64)
+    offsets = np.cumsum([0, *sizes])
+    scratch: dict[str, npt.NDArray[Any]] = {}
+    groups: dict[tuple[int, str], list[int]] = {}
+    for position, block in enumerate(blocks):
+        if sizes[position]:
+            groups.setdefault((block.shape[1], block.dtype.str), []).append(position)
+    for (width, _), positions in groups.items():
+        k = min(topk, width)
+        rows_of = [np.arange(offsets[p], offsets[p + 1]) for p in positions]
+        members = [blocks[p] for p in positions]
+        if len(members) > 1 and width * sum(sizes[p] for p in positions) <= _STACK_ENTRIES:
+            members, rows_of = (
+                [cast("UInt16Array | FloatArray", np.concatenate(members))],
+                [np.concatenate(rows_of)],
+            )
+        for block, rows in zip(members, rows_of, strict=True):
+            step = max(1, _STACK_ENTRIES // width)  # bounds the temporaries
+            for i in range(0, block.shape[0], step):
+                chosen, values = _top_block(block[i : i + step], k, scratch)
+                target = rows[i : i + step]
+                xs[target, :k] = chosen
+                ys[target, :k] = values
+        # Fewer entries than k: pad with (e, 0) for the indices e the chunk does not have.
+        every = np.concatenate(rows_of)
+        xs[every, k:] = np.arange(width, topk, dtype=np.int64)
+        counts[every] = k
+    return PointSet(xs, ys, counts)
+
+
+@dataclass(frozen=True)
+class PointSet:
+    """Per chunk: ``xs`` the chosen flat indices (padded to k), ``ys`` their bf16 bits, ``counts`` how
+    many of the k are real entries."""
+
+    xs: Int64Array
+    ys: Int64Array
+    counts: Int64Array
+
+
+FloatArray = npt.NDArray[np.float32]
+
+# Below this many entries per row a full sort-free partition of the row is as cheap as pre-filtering.
+_PREFILTER_ENTRIES = 4096
+# Threshold sample: every 17th entry (17 is odd, so a power-of-two hidden size does not alias it onto a
+# few channels); its (3k/17)-th largest magnitude leaves ~3k candidates per row on average.
+_SAMPLE_STRIDE = 17
+# Rows (of equal width) processed per vectorised step; keeps temporaries at a few MiB.
+_STACK_ENTRIES = 1 << 20
+
+
+def _top_block(
+    values: UInt16Array | FloatArray, k: int, scratch: dict[str, npt.NDArray[Any]] | None = None
+) -> tuple[Int64Array, Int64Array]:
+    """(indices, bf16 bits) of the top-k entries of each row, in descending (magnitude, −index) order.
+
+    Wide rows are pre-filtered: a threshold from a strided sample of the row keeps only the entries
+    whose bf16 magnitude reaches it (a few times k of them); when at least k entries pass, the top k
+    are among them, and the exact selection runs on those alone. Rows where fewer pass (or the
+    threshold is degenerate) take the exact path over all their entries. Same result either way.
+    """
+    width = values.shape[1]
+    is_float = values.dtype == np.float32
+    if width < _PREFILTER_ENTRIES:
+        bits = _bits_of(values)
+        chosen = _top_exact(bits, k)
+        return chosen, np.take_along_axis(bits, chosen, axis=1).astype(np.int64)
+    # Magnitudes as unsigned integers, which order like the values: bf16 bits without the sign, or
+    # float32 bits without the sign (NaN above infinity, as bf16 NaN is). Written into reused buffers:
+    # fresh multi-MiB temporaries cost more in page faults than the arithmetic.
+    rows_n = values.shape[0]
+    passing = _scratch(scratch, np.bool_, values.size).reshape(values.shape)
+    if is_float:
+        magnitude: npt.NDArray[Any] = _scratch(scratch, np.uint32, values.size).reshape(values.shape)
+        np.bitwise_and(values.view(np.uint32), np.uint32(0x7FFFFFFF), out=magnitude)
+    else:
+        magnitude = _scratch(scratch, np.uint16, values.size).reshape(values.shape)
+        np.bitwise_and(values.view(np.uint16), np.uint16(_MAGNITUDE_MASK), out=magnitude)
+    cut_values = _cuts(magnitude, k, is_float)
+    # A degenerate row (threshold 0 or NaN) lets nothing pass and takes the exact path below.
+    np.greater_equal(magnitude, cut_values[:, None], out=passing)
+    flat = np.flatnonzero(passing)
+    row_of = flat // width
+    counts = np.bincount(row_of, minlength=rows_n)
+    good = (counts >= k) & (counts <= width // 4)
+    chosen = np.empty((rows_n, k), dtype=np.int64)
+    picked = np.empty((rows_n, k), dtype=np.int64)
+    if not bool(good.all()):
+        rest = np.flatnonzero(~good)
+        bits = _bits_of(values[rest])
+        chosen[rest] = _top_exact(bits, k)
+        picked[rest] = np.take_along_axis(bits, chosen[rest], axis=1)
+    if bool(good.any()):
+        rows = np.flatnonzero(good)
+        keep = good[row_of]
+        flat, row_of = flat[keep], row_of[keep]
+        column = flat - row_of * width
+        candidate_bits = _bits_of(values[row_of, column]).astype(np.int64)
+        keys = ((candidate_bits & _MAGNITUDE_MASK) << 32) | (width - 1 - column)
+        per_row = counts[rows]
+        starts = np.cumsum(per_row) - per_row
+        slot = np.arange(flat.size) - np.repeat(starts, per_row)
+        table = np.full((rows.size, int(per_row.max())), -1, dtype=np.int64)
+        table[np.repeat(np.arange(rows.size), per_row), slot] = keys
+        flat_best = starts[:, None] + _top_keys(table, k)
+        chosen[rows] = column[flat_best]
+        picked[rows] = candidate_bits[flat_best]
+    return chosen, picked
+
+
+def _cuts(magnitude: npt.NDArray[Any], k: int, is_float: bool) -> npt.NDArray[Any]:
+    """Per row, the magnitude an entry must reach to stay a top-k candidate (same dtype as ``magnitude``);
+    the dtype's maximum (nothing passes) where the sample gives no usable threshold."""
+    sample = magnitude[:, ::_SAMPLE_STRIDE]
+    rank = max(1, (3 * k) // _SAMPLE_STRIDE)
+    threshold = np.partition(sample, sample.shape[1] - rank, axis=1)[:, sample.shape[1] - rank]
+    if is_float:
+        # The bf16 magnitude b the sample threshold rounds to; then the smallest float32 magnitude that
+        # rounds to b (to nearest even: a halfway value rounds up onto an even b only), so that
+        # |x| ≥ cut ⇔ bf16(|x|) ≥ b.
+        word = threshold.astype(np.int64)
+        level = (word + ((word >> 16) & 1) + 0x7FFF) >> 16
+        degenerate = (level == 0) | (word > 0x7F800000)
+        level = np.maximum(level, 1)
+        cut = ((level - 1) << 16) | np.where(level % 2 == 0, 0x8000, 0x8001)
+        return np.where(degenerate, 0xFFFFFFFF, cut).astype(np.uint32)
+    degenerate = threshold == 0
+    return np.where(degenerate, 0xFFFF, threshold).astype(np.uint16)
+
+
+def _scratch(buffers: dict[str, npt.NDArray[Any]] | None, dtype: Any, size: int) -> npt.NDArray[Any]:
+    """A 1-D buffer of ``size`` elements, reused from ``buffers`` when one of that dtype is big enough."""
+    key = np.dtype(dtype).str
+    if buffers is not None:
+        found = buffers.get(key)
+        if found is not None and found.size >= size:
+            return found[:size]
+    fresh = np.empty(size, dtype=dtype)
+    if buffers is not None:
+        buffers[key] = fresh
+    return fresh
+
+
+def _top_keys(keys: npt.NDArray[Any], k: int) -> Int64Array:
+    """Column positions of the k largest keys of each row, largest first (keys are unique per row)."""
+    n = keys.shape[1]
+    part = np.argpartition(keys, n - k, axis=1)[:, n - k :]
+    order = np.argsort(np.take_along_axis(keys, part, axis=1), axis=1)[:, ::-1]
+    result: Int64Array = np.take_along_axis(part, order, axis=1).astype(np.int64)
+    return result
+
+
+def _top_exact(bits: UInt16Array, k: int) -> Int64Array:
+    n = bits.shape[1]
     # magnitude in the high bits, (n − 1 − index) in the low ones; int32 while the index fits 16 bits.
     wide = n > 1 << 16
     dtype: type[np.signedinteger[Any]] = np.int64 if wide else np.int32
     magnitude = (bits & _MAGNITUDE_MASK).astype(dtype)
     key = np.left_shift(magnitude, 32 if wide else 16) | np.arange(n - 1, -1, -1, dtype=dtype)
-    part = np.argpartition(key, n - k, axis=1)[:, n - k :]
-    chosen = np.take_along_axis(key, part, axis=1)
-    order = np.argsort(chosen, axis=1)[:, ::-1]
-    result: Int64Array = np.take_along_axis(part, order, axis=1).astype(np.int64)
-    return result
+    return _top_keys(key, k)
+
+
+def commit_points(points: PointSet) -> list[bytes]:
+    """The proof of every chunk from its selected points (``select_points``)."""
+    if points.xs.shape[0] == 0:
+        return []
+    moduli = injective_moduli(points.xs)
+    return encode_proofs(moduli, interpolate(points.xs % moduli[:, None], points.ys))
 
 
 def commit_chunks(chunks: Sequence[UInt16Array], topk: int = TOPK) -> list[bytes]:
@@ -373,19 +593,21 @@ def commit_chunks(chunks: Sequence[UInt16Array], topk: int = TOPK) -> list[bytes
     """
     if not chunks:
         return []
-    xs = np.empty((len(chunks), topk), dtype=np.int64)
-    ys = np.zeros((len(chunks), topk), dtype=np.int64)
-    for length, positions in _group_by_length(chunks).items():
-        bits = np.stack([chunks[i] for i in positions])
-        k = min(topk, length)
-        chosen = top_entries(bits, k)
-        rows = np.asarray(positions)
-        xs[rows, :k] = chosen
-        ys[rows, :k] = np.take_along_axis(bits, chosen, axis=1)
-        # Fewer entries than k: pad with (e, 0) for the indices e the chunk does not have.
-        xs[rows, k:] = np.arange(length, topk, dtype=np.int64)
-    moduli = injective_moduli(xs)
-    return encode_proofs(moduli, interpolate(xs % moduli[:, None], ys))
+    return commit_points(select_points([_as_chunk(chunk)[None, :] for chunk in chunks], topk))
+
+
+def check_points(points: PointSet, proofs: Sequence[bytes], topk: int = TOPK) -> list[ChunkCheck]:
+    """Compare each committed proof with the validator's own points of the same chunk (reference rules).
+
+    A malformed proof raises CryptoError; a well-formed proof of other values just scores badly.
+    """
+    if points.xs.shape[0] != len(proofs):
+        raise CryptoError(f"{len(proofs)} proofs for {points.xs.shape[0]} chunks", reason="proof_count")
+    if not proofs:
+        return []
+    moduli, coefficients = decode_proofs(proofs, topk)
+    claimed = evaluate(coefficients, points.xs % moduli[:, None])
+    return compare_rows(claimed, points.ys, points.counts)
 
 
 def check_chunks(
@@ -399,22 +621,45 @@ def check_chunks(
         raise CryptoError(f"{len(proofs)} proofs for {len(chunks)} chunks", reason="proof_count")
     if not chunks:
         return []
-    decoded = [decode_proof(proof, topk) for proof in proofs]
-    moduli = np.array([modulus for modulus, _ in decoded], dtype=np.int64)
-    coefficients = np.stack([coeffs for _, coeffs in decoded])
-    xs = np.zeros((len(chunks), topk), dtype=np.int64)
-    own = np.zeros((len(chunks), topk), dtype=np.int64)
-    counts = np.empty(len(chunks), dtype=np.int64)
-    for length, positions in _group_by_length(chunks).items():
-        bits = np.stack([chunks[i] for i in positions])
-        k = min(topk, length)
-        chosen = top_entries(bits, k)
-        rows = np.asarray(positions)
-        xs[rows, :k] = chosen
-        own[rows, :k] = np.take_along_axis(bits, chosen, axis=1)
-        counts[rows] = k
-    claimed = evaluate(coefficients, xs % moduli[:, None])
-    return [compare_bits(claimed[row, :count], own[row, :count]) for row, count in enumerate(counts.tolist())]
+    return check_points(select_points([_as_chunk(chunk)[None, :] for chunk in chunks], topk), proofs, topk)
+
+
+def decode_proofs(proofs: Sequence[bytes], topk: int = TOPK) -> tuple[Int64Array, Int64Array]:
+    """(moduli, coefficients [chunks × k]) of many chunk proofs at once; errors as ``decode_proof``."""
+    expected = HEADER_BYTES + COEFFICIENT_BYTES * topk
+    if all(isinstance(proof, bytes) and len(proof) == expected for proof in proofs):
+        words = np.frombuffer(b"".join(proofs), dtype=">u2").reshape(len(proofs), topk + 1).astype(np.int64)
+        moduli, coefficients = words[:, 0], words[:, 1:]
+        if bool(np.all((moduli >= MIN_MODULUS) & (moduli <= FIELD_PRIME))) and not bool(
+            np.any(coefficients >= FIELD_PRIME)
+        ):
+            return moduli, coefficients
+    decoded = [decode_proof(proof, topk) for proof in proofs]  # raises for the first bad one
+    return (
+        np.array([modulus for modulus, _ in decoded], dtype=np.int64),
+        np.stack([coefficients for _, coefficients in decoded]),
+    )
+
+
+def compare_rows(claimed: Int64Array, own: Int64Array, counts: Int64Array) -> list[ChunkCheck]:
+    """``compare_bits`` of every row's first ``counts[row]`` entries, vectorised over the rows."""
+    width = own.shape[1]
+    real = np.arange(width) < counts[:, None]
+    same = real & ((claimed & _EXPONENT_MASK) == (own & _EXPONENT_MASK))
+    errors = np.abs((claimed & _MANTISSA_MASK) - (own & _MANTISSA_MASK))
+    matched = np.count_nonzero(same, axis=1)
+    totals = np.where(same, errors, 0).sum(axis=1)
+    ordered = np.sort(np.where(same, errors, _MANTISSA_MASK + 1), axis=1)  # mismatches sort last
+    medians = np.take_along_axis(ordered, (matched // 2)[:, None], axis=1)[:, 0]
+    checks: list[ChunkCheck] = []
+    for count, n, total, median in zip(
+        counts.tolist(), matched.tolist(), totals.tolist(), medians.tolist(), strict=True
+    ):
+        if n == 0:
+            checks.append(ChunkCheck(count, math.inf, math.inf, count))
+        else:
+            checks.append(ChunkCheck(count - n, float(np.float64(total) / n), float(median), count))
+    return checks
 
 
 def compare_bits(claimed: Int64Array, own: Int64Array) -> ChunkCheck:
@@ -433,11 +678,21 @@ def compare_bits(claimed: Int64Array, own: Int64Array) -> ChunkCheck:
     )
 
 
-def _group_by_length(chunks: Sequence[UInt16Array]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
-    for position, chunk in enumerate(chunks):
-        array = np.asarray(chunk)
-        if array.dtype != np.uint16 or array.ndim != 1 or array.size == 0:
-            raise CryptoError("each chunk must be a non-empty 1-D uint16 array", reason="bad_shape")
-        groups.setdefault(array.size, []).append(position)
-    return groups
+def _as_chunk(chunk: UInt16Array) -> UInt16Array:
+    array = np.asarray(chunk)
+    if array.dtype != np.uint16 or array.ndim != 1 or array.size == 0:
+        raise CryptoError("each chunk must be a non-empty 1-D uint16 array", reason="bad_shape")
+    return array
+
+
+def _checked_block(block: UInt16Array | FloatArray) -> UInt16Array | FloatArray:
+    array = np.ascontiguousarray(block)
+    if array.dtype not in (np.uint16, np.float32) or array.ndim != 2 or array.shape[1] == 0:
+        raise CryptoError("a block must be 2-D bf16 bits (uint16) or float32 values", reason="bad_shape")
+    return cast("UInt16Array | FloatArray", array)
+
+
+def _bits_of(values: UInt16Array | FloatArray) -> UInt16Array:
+    if values.dtype == np.float32:
+        return bf16_round(values.astype(np.float32, copy=False))
+    return values.astype(np.uint16, copy=False)

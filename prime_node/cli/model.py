@@ -31,6 +31,13 @@ def init_model(
     no_warmup: Annotated[
         bool, typer.Option("--no-warmup", help="Skip the supervised warm-up (random weights).")
     ] = False,
+    from_package: Annotated[
+        bool,
+        typer.Option(
+            "--from-package",
+            help="Copy the demo's packaged, already warmed-up arithmetic model (the same on every machine).",
+        ),
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Write into a non-empty directory.")] = False,
     as_json: JsonOption = False,
 ) -> None:
@@ -49,6 +56,18 @@ def init_model(
         )
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise NodeError(f"{out_dir} is not empty (use --force to write into it)", reason="exists")
+    if from_package:
+        if no_warmup or task != "arithmetic" or digits != 2:
+            raise NodeError(
+                "--from-package is the 2-digit arithmetic model, warmed up: no --task, --digits, --no-warmup",
+                reason="bad_flag",
+            )
+        from prime_node.assets import copy_demo_model
+
+        info = copy_demo_model(out_dir)
+        keys = ("parameters", "warmup_steps", "warmup_probe_accuracy", "heldout_accuracy")
+        _echo_summary({"model_dir": str(out_dir), **{k: info[k] for k in keys}}, as_json)
+        return
     import torch
 
     from prime_node.ml.model import create_tiny_model, parameter_count, save_model_dir
@@ -62,6 +81,10 @@ def init_model(
         result = supervised_warmup(model, tokenizer, ArithmeticTask(digits), seed=seed)
         summary.update(warmup_steps=result.steps, warmup_probe_accuracy=result.probe_accuracy)
     save_model_dir(model, tokenizer, out_dir)
+    _echo_summary(summary, as_json)
+
+
+def _echo_summary(summary: dict[str, object], as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(summary))
     else:

@@ -103,6 +103,24 @@ class RunConfig(_Strict):
     """Weight of the KL penalty (k3 estimator) toward the initial model; 0 disables it."""
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of the entropy bonus; 0 disables it."""
+    objective: Literal["recompute", "behaviour", "decoupled", "masked_is"] = "recompute"
+    """Off-policy correction of stale rollouts (docs/rl.md, *Off-policy correction*, where the
+    benchmarks/offpolicy.py ablation picks the default): "recompute" clips around the generating
+    policy's log-probs recomputed by the trainer (an extra forward pass and a copy of the model);
+    "behaviour" clips the same way around the inferer's verified behaviour log-probs mu (no extra
+    forward pass: the ratio pi / mu is a truncated importance weight); "decoupled" clips around the
+    trainer's current weights and multiplies each token by the truncated importance weight
+    min(pi_prox / mu, is_cap) from mu; "masked_is" weighs each token by pi / mu, drops the policy gradient of tokens whose
+    ratio leaves [is_mask_low, is_mask_high] and adds is_kl_coef * (log pi/mu)^2."""
+    is_cap: float = Field(2.0, ge=1, le=1000)
+    """decoupled: cap of the truncated importance weight pi_prox / mu (bounds the variance a very stale
+    or unlucky token can add)."""
+    is_mask_low: float = Field(0.5, gt=0, le=1)
+    """masked_is: tokens with pi / mu below this carry no policy gradient."""
+    is_mask_high: float = Field(2.0, ge=1, le=1000)
+    """masked_is: tokens with pi / mu above this carry no policy gradient."""
+    is_kl_coef: float = Field(1e-3, ge=0)
+    """masked_is: weight of the (log pi/mu)^2 penalty on every completion token; 0 disables it."""
 
     async_level: int = Field(2, ge=0, le=16)
     """Staleness bound: rollouts from policy step >= current - async_level are accepted."""

@@ -110,26 +110,20 @@ def prepare_workdir(options: DemoOptions) -> Path:
     return workdir
 
 
-def make_model(model_dir: Path, seed: int, say: Callable[[str], None]) -> dict[str, Any]:
-    """The tiny arithmetic model with its supervised warm-up, made in this process (one thread)."""
-    import torch
+def make_model(model_dir: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    """Copy the packaged tiny arithmetic model, warmed up once by ``scripts/make_demo_model.py``.
 
-    from prime_node.ml.model import create_tiny_model, parameter_count, save_model_dir
-    from prime_node.ml.warmup import supervised_warmup
-    from prime_node.tasks.arithmetic import ArithmeticTask
+    Not warmed up here: the same seeded warm-up trains a different model on another CPU (DESIGN §11), so
+    every machine starts the demo from these same weights."""
+    from prime_node.assets import copy_demo_model
 
-    torch.set_num_threads(1)
     started = time.monotonic()
-    model, tokenizer = create_tiny_model(seed)
-    warmup = supervised_warmup(model, tokenizer, ArithmeticTask(2), seed=seed)
-    save_model_dir(model, tokenizer, model_dir)
-    info = {
-        "parameters": parameter_count(model),
-        "warmup_steps": warmup.steps,
-        "warmup_probe_accuracy": warmup.probe_accuracy,
-        "seconds": round(time.monotonic() - started, 1),
-    }
-    say(f"model: {info['parameters']} parameters, warm-up {warmup.steps} steps in {info['seconds']} s")
+    info = copy_demo_model(model_dir)
+    info["seconds"] = round(time.monotonic() - started, 1)
+    say(
+        f"model: {info['parameters']} parameters, from the package (warm-up {info['warmup_steps']} steps,"
+        f" seed {info['seed']}, held-out {info['heldout_accuracy']} when made)"
+    )
     return info
 
 
@@ -197,7 +191,7 @@ class Demo:
         self.adversary_kind = kind
         model_dir = options.model_dir.resolve() if options.model_dir is not None else workdir / "model"
         if options.model_dir is None:
-            make_model(model_dir, options.seed, self.say)
+            make_model(model_dir, self.say)
         nodes = create_wallets(workdir, options.inferers, options.validators, kind)
         extra = {"seed": options.seed, **options.extra_config}
         plan = DemoPlan(workdir, tuple(nodes), options.steps, model_dir, extra)

@@ -106,8 +106,8 @@ def _generate(
     from prime_node.config import RunConfig
     from prime_node.ml.checkpoint import read_weights, step_dir
     from prime_node.ml.engine import TorchEngine
-    from prime_node.ml.local_run import LOCAL_WORKER, make_batch, with_tied_head
     from prime_node.ml.model import load_model
+    from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch, with_tied_head
     from prime_node.ml.tokenizer import load_tokenizer
     from prime_node.tasks.factory import build_task
     from protocol.codec import encode

@@ -9,9 +9,11 @@ its index, so a run is deterministic whatever the thread timing, and a restarted
 With ``local_inference = "process"`` the inference stage is a child process instead of a thread
 (``ChildInference``; for small models two threads mostly contend for the GIL).
 
-Durability: batch k is appended (fsynced) to ``OUT/rollouts.log`` before step k trains on it; after step k
-a checkpoint ``OUT/checkpoints/step_{k+1}`` is written. A restart resumes from the newest checkpoint and
-replays logged batches before generating new ones. With torch.distributed, rank 0 generates and
+Resume, the step, checkpoints and evaluation are the ``TrainingSession``'s (``session.py``), shared with
+the networked trainer: batch k is appended (fsynced) to ``OUT/rollouts.log`` before step k trains on
+it; after step k a checkpoint ``OUT/checkpoints/step_{k+1}`` is written. What is --local's own: a
+restart replays the logged batches after the newest checkpoint before generating new ones, so the
+resumed run ends bit-identical to an uninterrupted one. With torch.distributed, rank 0 generates and
 broadcasts each batch; every rank admits it identically and trains on its shard.
 """
 
@@ -26,41 +28,26 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from crypto.keys import Address
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
-from prime_node.ml.checkpoint import (
-    list_checkpoints,
-    load_optimizer_state,
-    model_weights,
-    optimizer_snapshot,
-    prune_checkpoints,
-    read_weights,
-    save_checkpoint,
-    step_dir,
-    write_checkpoint,
-)
+from prime_node.ml.checkpoint import read_weights, step_dir
 from prime_node.ml.distributed import DistInfo
-from prime_node.ml.engine import InferenceEngine, SamplingParams, TorchEngine
-from prime_node.ml.evaluation import encode_prompt, greedy_accuracy
+from prime_node.ml.engine import TorchEngine
 from prime_node.ml.model import load_model
-from prime_node.ml.rollout_log import RolloutLog
-from prime_node.ml.tokenizer import load_tokenizer
-from prime_node.ml.trainer import GRPOTrainer, StepMetrics, prepare
+from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch, with_tied_head
+from prime_node.ml.session import TrainingSession
+from prime_node.ml.trainer import StepMetrics
 from prime_node.tasks.base import TaskSource
-from prime_node.tasks.factory import build_task
-from protocol import schedule
 from protocol.codec import decode, encode
-from protocol.rollouts import FORMAT_VERSION, RolloutBatch, RolloutSample, pack_logprobs, pack_tokens
+from protocol.rollouts import RolloutBatch
 
 log = logging.getLogger(__name__)
-LOCAL_WORKER = Address(b"\x00" * 20)
 
 
 @dataclass
@@ -90,69 +77,6 @@ class LocalRunResult:
             return 0.0
         span = self.step_done_s[-1] - self.step_done_s[0]
         return (len(self.step_done_s) - 1) / span if span > 0 else 0.0
-
-
-def make_batch(
-    engine: InferenceEngine,
-    task: TaskSource,
-    tokenizer: Any,
-    config: RunConfig,
-    *,
-    worker: Address,
-    policy_step: int,
-    batch_counter: int,
-    prove: Callable[[list[torch.Tensor]], list[bytes]] | None = None,
-) -> RolloutBatch:
-    """Draw the scheduled tasks, sample each ``group_size`` times with its scheduled seeds, pack the batch.
-
-    With ``prove`` (e.g. ``prime_node.verification.proofs.build_proofs``) the engine also returns the final
-    hidden states and each sample carries its TOPLOC proof; without it the proof slot stays empty.
-    """
-    pool = task.train_ids()
-    drawn = schedule.draw(
-        worker,
-        policy_step,
-        batch_counter,
-        config.seed,
-        pool_size=len(pool),
-        groups=config.prompts_per_step,
-        group_size=config.group_size,
-    )
-    task_ids = [pool[i] for i in drawn.task_indices]
-    prompts = [encode_prompt(tokenizer, task.prompt(t)) for t in task_ids for _ in range(config.group_size)]
-    seeds = [s for group in drawn.seeds for s in group]
-    params = SamplingParams(
-        max_new_tokens=config.max_new_tokens, temperature=config.temperature, return_hidden=prove is not None
-    )
-    completions = engine.generate(prompts, seeds, params)
-    proofs = [b""] * len(completions)
-    if prove is not None:
-        hiddens = [c.hidden for c in completions]
-        if any(h is None for h in hiddens):
-            raise NodeError("the engine returned no hidden states to prove", reason="engine_without_hidden")
-        proofs = prove([h for h in hiddens if h is not None])
-    samples = tuple(
-        RolloutSample(
-            task_id=task_ids[i // config.group_size],
-            seed=seeds[i],
-            prompt=pack_tokens(prompts[i]),
-            completion=pack_tokens(c.tokens),
-            logprobs=pack_logprobs([min(v, 0.0) for v in c.logprobs]),
-            finished=c.finished,
-            proof=proofs[i],
-        )
-        for i, c in enumerate(completions)
-    )
-    return RolloutBatch(
-        FORMAT_VERSION,
-        config.run_id,
-        worker,
-        policy_step,
-        batch_counter,
-        config.temperature,
-        config.group_size,
-        samples,
-    )
 
 
 class PolicyStore:
@@ -193,54 +117,6 @@ class PolicyStore:
                 return None
             found = self._weights.get(step)
         return found if found is not None else read_weights(step_dir(self._root, step))
-
-
-class CheckpointWriter:
-    """Writes step checkpoints from snapshots on a background thread, in order.
-
-    The training loop only pays for copying tensors; the files are written while the next step runs.
-    A kill may leave the newest checkpoint a step or two behind, which loses nothing: every batch
-    trained since is in the rollout log and is replayed on restart.
-    """
-
-    def __init__(
-        self,
-        root: Path,
-        base_dir: Path,
-        keep: int,
-        extra: dict[str, Any],
-        on_written: Callable[[int], None] | None = None,
-    ) -> None:
-        self._on_written = on_written
-        self._jobs: queue.Queue[tuple[int, Any, Any] | None] = queue.Queue()
-        self._root, self._base, self._keep, self._extra = root, base_dir, keep, extra
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        torch.set_num_threads(1)  # per OS thread (see _inference_loop); copying tensors needs no more
-        while (job := self._jobs.get()) is not None:
-            step, weights, optimizer_state = job
-            try:
-                write_checkpoint(self._root, step, weights, optimizer_state, self._base, self._extra)
-                if self._on_written is not None:
-                    self._on_written(step)
-                prune_checkpoints(self._root, self._keep)
-            except BaseException as exc:
-                self._error = exc
-                return
-
-    def submit(self, step: int, weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
-        if self._error is not None:
-            raise NodeError(f"writing a checkpoint failed: {self._error}", reason="checkpoint_failed")
-        self._jobs.put((step, weights, optimizer_snapshot(optimizer)))
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise NodeError(f"writing a checkpoint failed: {self._error}", reason="checkpoint_failed")
 
 
 class ChildInference:
@@ -379,12 +255,6 @@ def _inference_loop(
         out.put((-1, exc))
 
 
-def with_tied_head(model: Any, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in weights:
-        return {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
-    return weights
-
-
 def _configure_threads(config: RunConfig, world_size: int) -> None:
     cores = max(1, (os.cpu_count() or 1) // world_size)
     # Half the cores per stage even when the stages alternate: an OpenMP pool keeps spinning for a while
@@ -409,52 +279,26 @@ def run_local(
 
 
 class LocalRun:
-    """One --local training run: resumed state, the inference thread, the checkpoint writer, the loop."""
+    """One --local training run: the training session, the inference stage, replay and the loop."""
 
     def __init__(self, config: RunConfig, *, model_dir: Path | None, dist: DistInfo, evaluate: bool) -> None:
         base = model_dir or config.model_dir
         if base is None:
             raise NodeError("no model: pass --model or set model_dir in the run config", reason="bad_config")
         _configure_threads(config, dist.world_size)
-        torch.manual_seed(config.torch_seed)
         self.config, self.dist, self.base, self.evaluate = config, dist, base, evaluate
-        self.ckpt_root = config.output_dir / "checkpoints"
-        existing = list_checkpoints(self.ckpt_root)
-        if dist.world_size > 1:
-            dist.barrier()  # every rank has looked before rank 0 writes anything
-        self.start = existing[-1].step if existing else 0
-        self.source = existing[-1].path if existing else base
-        self.device = dist.device if dist.world_size > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_model(self.source, device=self.device)
-        self.tokenizer = load_tokenizer(self.source)
-        self.task = build_task(config.task)
-        self.trainer = GRPOTrainer(
-            config, self.model, self.tokenizer, checkpoint_root=self.ckpt_root, dist=dist, step=self.start
-        )
-        if existing:
-            load_optimizer_state(self.trainer.optimizer, existing[-1].path / "optimizer.safetensors")
-            log.info("resuming from %s", existing[-1].path)
-        elif dist.is_main:
-            save_checkpoint(
-                self.ckpt_root, 0, self.model, self.trainer.optimizer, base, {"run_id": config.run_id}
-            )
+        device = dist.device if dist.world_size > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.session = TrainingSession(config, base=base, dist=dist, device=device)
+        self.start = self.session.start_step
         self.result = LocalRunResult(start_step=self.start)
-        self.rollout_log = RolloutLog(config.output_dir / "rollouts.log") if dist.is_main else None
-        self.replay: dict[int, RolloutBatch] = {}
-        if self.rollout_log is not None:
-            oldest_kept = existing[0].step if existing else 0
-            self.rollout_log.compact(oldest_kept)  # older batches live on only in the weights
-            self.replay = self.rollout_log.batches_from(self.start)
+        self.replay = self.session.logged_batches()
         self.batches: queue.Queue[tuple[int, Any]] | ChildInference = queue.Queue()
         self.child: ChildInference | None = None
-        self.store = PolicyStore(self.ckpt_root, config.async_level + 1)
-        self.eval_engine = TorchEngine(
-            self.model, eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id
-        )
-        self.eval_ids = list(self.task.eval_ids())[: config.eval_tasks]
+        self.store = PolicyStore(self.session.checkpoint_root, config.async_level + 1)
         self.began = time.perf_counter()
 
     def _start_inference(self) -> threading.Thread | None:
+        session = self.session
         if self.config.local_inference == "process":
             # The base directory (never pruned) gives the child its architecture and tokenizer; the
             # starting policy's weights go through the hand-off directory like every later one.
@@ -463,17 +307,17 @@ class LocalRun:
                 self.base,
                 self.start,
                 sorted(self.replay),
-                self.ckpt_root,
-                model_weights(self.model),
+                session.checkpoint_root,
+                session.weights(self.start),
             )
             self.batches = self.child
             return None
         self.store.mark_available(self.start)
-        self.store.publish(self.start, model_weights(self.model))
+        self.store.publish(self.start, session.weights(self.start))
         engine = TorchEngine(
-            load_model(self.source, device=self.device),
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
+            load_model(session.source, device=session.device),
+            eos_token_id=session.tokenizer.eos_token_id,
+            pad_token_id=session.tokenizer.pad_token_id,
             policy_step=self.start,
         )
         to_generate = [k for k in range(self.start, self.config.max_steps) if k not in self.replay]
@@ -483,8 +327,8 @@ class LocalRun:
                 engine,
                 self.store,
                 self.batches,
-                self.task,
-                self.tokenizer,
+                session.task,
+                session.tokenizer,
                 self.config,
                 to_generate,
                 torch.get_num_threads(),
@@ -496,23 +340,17 @@ class LocalRun:
         return thread
 
     def _eval(self, step: int) -> None:
-        if not (self.evaluate and self.dist.is_main and self.eval_ids):
+        if not (self.evaluate and self.dist.is_main and self.session.eval_ids):
             return
         t0 = time.perf_counter()
-        accuracy = greedy_accuracy(
-            self.eval_engine,
-            self.tokenizer,
-            self.task,
-            self.eval_ids,
-            max_new_tokens=self.config.max_new_tokens,
-        )
+        accuracy = self.session.evaluate(step)
         self.result.eval_wall_s += time.perf_counter() - t0
         elapsed = time.perf_counter() - self.began - self.result.eval_wall_s
         self.result.evals.append(EvalPoint(step, elapsed, accuracy))
         log.info("step %d: held-out greedy accuracy %.3f", step, accuracy)
 
     def _batch_for(self, k: int) -> tuple[RolloutBatch, bytes | None]:
-        """Batch k: replayed from the log, from the inference thread, or broadcast by rank 0."""
+        """Batch k: replayed from the log, from the inference stage, or broadcast by rank 0."""
         batch: RolloutBatch | None = None
         frame: bytes | None = None
         if self.dist.is_main:
@@ -536,69 +374,50 @@ class LocalRun:
         assert batch is not None
         return batch, frame
 
-    def _step(self, k: int, writer: CheckpointWriter | None) -> StepMetrics:
+    def _step(self, k: int) -> StepMetrics:
+        session = self.session
         batch, frame = self._batch_for(k)
-        prepared = prepare(
-            batch,
-            current_step=self.trainer.step,
-            task=self.task,
-            tokenizer=self.tokenizer,
-            config=self.config,
-        )
-        if self.rollout_log is not None and k not in self.replay and frame is not None:
-            self.rollout_log.append(k, frame)  # durable before any training on it
-        metrics = self.trainer.train_step(prepared)
+        prepared = session.admit(batch)
+        to_log = [frame] if k not in self.replay and frame is not None else []
+        metrics = session.train([prepared], to_log)
         self.result.steps.append(metrics)
-        if writer is not None:
-            weights = self.trainer.history.get(self.trainer.step)
-            writer.submit(self.trainer.step, weights, self.trainer.optimizer)
+        if self.dist.is_main:
+            weights = session.weights(session.step)
             if self.child is None:
-                self.store.publish(self.trainer.step, weights)
+                self.store.publish(session.step, weights)
             else:
-                self.child.publish(self.trainer.step, weights)
-            with open(self.config.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(asdict(metrics)) + "\n")
+                self.child.publish(session.step, weights)
         return metrics
 
     def run(
         self, *, on_step: Callable[[StepMetrics], None] | None, stop_after_s: float | None
     ) -> LocalRunResult:
         config = self.config
-        if self.start >= config.max_steps:
-            return self.result
-        inference = self._start_inference() if self.dist.is_main else None
-        writer = (
-            CheckpointWriter(
-                self.ckpt_root,
-                self.base,
-                config.checkpoints_to_keep,
-                {"run_id": config.run_id},
-            )
-            if self.dist.is_main
-            else None
-        )
-        self.began = time.perf_counter()
+        inference: threading.Thread | None = None
         try:
+            if self.start >= config.max_steps:
+                return self.result
+            inference = self._start_inference() if self.dist.is_main else None
+            self.began = time.perf_counter()
             self._eval(self.start)
             for k in range(self.start, config.max_steps):
-                metrics = self._step(k, writer)
+                metrics = self._step(k)
                 self.result.step_done_s.append(time.perf_counter() - self.began - self.result.eval_wall_s)
                 if on_step is not None:
                     on_step(metrics)
-                step = self.trainer.step
+                step = self.session.step
                 if config.eval_every and step % config.eval_every == 0 and step < config.max_steps:
                     self._eval(step)
                 busy = time.perf_counter() - self.began - self.result.eval_wall_s
                 if stop_after_s is not None and busy >= stop_after_s:
                     break
             self.result.train_wall_s = time.perf_counter() - self.began
-            self._eval(self.trainer.step)
+            self._eval(self.session.step)
         finally:
             self.store.stop()
             if inference is not None:
                 inference.join(timeout=60)
-            if writer is not None:
-                writer.close()
+            self.session.close()
             if self.child is not None:
                 self.child.stop()
         return self.result

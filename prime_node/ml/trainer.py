@@ -5,11 +5,13 @@ Admission (``prepare``) trusts nothing in a batch but its tokens: the policy ste
 prompt, and the reward of every completion is recomputed with the task's checker. Groups whose rewards
 are all equal carry no advantage and are dropped before any forward pass.
 
-The optimizer step (``train_step``) recomputes the old log-probs itself under the policy version that
-generated the batch (kept in memory, or read back from its checkpoint), computes the clipped GRPO loss
-over micro-batches normalised by the batch's total completion tokens, all-reduces gradients across
-torch.distributed ranks (each rank takes a strided shard of the samples), clips the global gradient
-norm and applies AdamW.
+The optimizer step (``train_step``) computes the GRPO loss over micro-batches normalised by the
+batch's total completion tokens, all-reduces gradients across torch.distributed ranks (each rank takes a
+strided shard of the samples), clips the global gradient norm and applies AdamW. How a stale batch is
+corrected follows ``config.objective`` (see ``prime_node.ml.grpo``): "recompute" recomputes the old
+log-probs itself under the policy version that generated the batch (kept in memory, or read back from
+its checkpoint); "decoupled" and "masked_is" use the behaviour log-probs the sampler put in every
+sample (checked by validators in networked runs) and need no old model.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import copy
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,9 @@ class Prepared:
     reward_mean: float
     groups_kept: int
     groups_dropped: int
+    behaviour_logprobs: list[list[float]] = field(default_factory=list)
+    """Per sample, the sampler's log-prob of each completion token (log_softmax(logits / T)), as in the
+    rollout; the off-policy objectives weigh tokens with them. Merged batches must carry them along."""
 
     @property
     def completion_tokens(self) -> int:
@@ -75,6 +80,11 @@ class StepMetrics:
     entropy: float
     clipped_fraction: float
     grad_norm: float
+    staleness: int = 0
+    """Trainer step minus the policy step that generated the batch (0: on-policy)."""
+    is_fraction: float = 0.0
+    """Share of completion tokens whose importance weight hit ``is_cap`` (decoupled) or that the
+    ratio band masked (masked_is); 0 for recompute."""
 
 
 def batch_rewards(batch: RolloutBatch, task: TaskSource, tokenizer: Any, config: RunConfig) -> list[float]:
@@ -150,6 +160,7 @@ def prepare(
             prepared.sequences.append(prompt + list(sample.completion_tokens()))
             prepared.prompt_lengths.append(len(prompt))
             prepared.advantages.append(advantage)
+            prepared.behaviour_logprobs.append(list(sample.completion_logprobs()))
     return prepared
 
 
@@ -164,6 +175,17 @@ def _micro_batch(
         ids[i, : len(seq)] = torch.as_tensor(seq)
         mask[i, plen : len(seq)] = True
     return ids[:, :-1], ids[:, 1:], mask[:, 1:]
+
+
+def _behaviour_micro_batch(
+    logprobs: Sequence[list[float]], prompt_lengths: Sequence[int], width: int
+) -> torch.Tensor:
+    """Behaviour log-probs [B, width] aligned with ``_micro_batch``'s targets: completion token j of a
+    sample with prompt length p is target column p - 1 + j; other columns are 0 (masked out)."""
+    out = torch.zeros((len(logprobs), width), dtype=torch.float32)
+    for i, (values, plen) in enumerate(zip(logprobs, prompt_lengths, strict=True)):
+        out[i, plen - 1 : plen - 1 + len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
 class PolicyHistory:
@@ -215,14 +237,18 @@ class GRPOTrainer:
             betas=config.adam_betas,
             weight_decay=config.weight_decay,
         )
-        self.history = PolicyHistory(config.async_level + 1, checkpoint_root)
+        recompute = config.objective == "recompute"
+        # Only "recompute" reads old policies back; the others keep the newest two for the callers
+        # (checkpoint writers and evaluation ask for the current step's weights).
+        self.history = PolicyHistory(config.async_level + 1 if recompute else 2, checkpoint_root)
         self.history.add(step, model_weights(model))
-        self._old_model = copy.deepcopy(model).eval()
+        self._old_model = copy.deepcopy(model).eval() if recompute else None
         self._old_model_step: int | None = None
         self._reference = copy.deepcopy(model).eval() if config.kl_coef > 0 else None
         self.checkpoint_root = checkpoint_root
 
     def _old_logp(self, step: int, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert self._old_model is not None
         if self._old_model_step != step:
             load_weights_into(self._old_model, self.history.get(step))
             self._old_model_step = step
@@ -237,9 +263,17 @@ class GRPOTrainer:
     def train_step(self, prepared: Prepared) -> StepMetrics:
         """One optimizer step on an admitted batch; advances ``self.step`` by one."""
         cfg = self.config
-        totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0}
+        totals = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0, "is": 0.0}
         normalizer = float(prepared.completion_tokens)
         grad_norm = 0.0
+        staleness = self.step - prepared.policy_step
+        uses_behaviour = cfg.objective != "recompute"
+        if uses_behaviour and len(prepared.behaviour_logprobs) != len(prepared.sequences):
+            raise NodeError(
+                f"objective {cfg.objective!r} needs the behaviour log-probs of every sample "
+                f"({len(prepared.behaviour_logprobs)} for {len(prepared.sequences)} samples)",
+                reason="missing_behaviour_logprobs",
+            )
         self.optimizer.zero_grad(set_to_none=False)
         if prepared.sequences:
             self.model.train()
@@ -257,12 +291,15 @@ class GRPOTrainer:
                     [prepared.advantages[i] for i in chunk], dtype=torch.float32, device=device
                 )
                 logits = self.model(input_ids=ids).logits
-                if prepared.policy_step == self.step:
-                    # Same weights: the no-grad recomputation would give these exact numbers.
-                    scale = cfg.temperature if cfg.temperature > 0 else 1.0
-                    old = torch.log_softmax(logits.detach().float() / scale, -1)
-                    old = old.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-                else:
+                behaviour = None
+                old: torch.Tensor | None = None  # None: the detached training forward (pi_prox)
+                if uses_behaviour:
+                    behaviour = _behaviour_micro_batch(
+                        [prepared.behaviour_logprobs[i] for i in chunk],
+                        [prepared.prompt_lengths[i] for i in chunk],
+                        targets.shape[1],
+                    ).to(device)
+                elif prepared.policy_step != self.step:
                     old = self._old_logp(prepared.policy_step, ids, targets)
                 ref = self._token_logp(self._reference, ids, targets) if self._reference is not None else None
                 parts = grpo_loss(
@@ -279,12 +316,19 @@ class GRPOTrainer:
                     ref_logp=ref,
                     kl_coef=cfg.kl_coef,
                     entropy_coef=cfg.entropy_coef,
+                    objective=cfg.objective,
+                    behaviour_logp=behaviour,
+                    is_cap=cfg.is_cap,
+                    is_mask_low=cfg.is_mask_low,
+                    is_mask_high=cfg.is_mask_high,
+                    is_kl_coef=cfg.is_kl_coef,
                 )
                 parts.loss.backward()  # type: ignore[no-untyped-call]
                 totals["loss"] += float(parts.loss.detach())
                 totals["kl"] += parts.kl
                 totals["entropy"] += parts.entropy
                 totals["clipped"] += parts.clipped_fraction
+                totals["is"] += parts.is_fraction
             self.model.eval()
         if self.dist.world_size > 1:
             self.dist.all_reduce_gradients(self.model)
@@ -308,6 +352,8 @@ class GRPOTrainer:
             entropy=totals["entropy"],
             clipped_fraction=totals["clipped"],
             grad_norm=grad_norm,
+            staleness=staleness,
+            is_fraction=totals["is"],
         )
 
 

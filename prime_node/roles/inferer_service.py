@@ -27,6 +27,7 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
+from prime_node.node.stage_times import StageTimes
 
 if TYPE_CHECKING:
     from prime_node.node.gossip import Delivered
@@ -57,7 +58,7 @@ class InfererService:
         batches_per_policy: int = 2,
         policy_wait_s: float = 2.0,
         subscribe: bool = True,
-        max_in_flight: int = 1,
+        max_in_flight: int = 2,
         verdict_timeout_s: float = 20.0,
     ) -> None:
         if adversary is not None:
@@ -87,6 +88,7 @@ class InfererService:
         self.errors: Counter[str] = Counter()
         self.policy_step: int | None = None
         self.generate_s = 0.0
+        self.stages = StageTimes()
         self.mine: dict[bytes, int] = {}
         self._engine: Any = None
         self._tokenizer: Any = None
@@ -106,6 +108,7 @@ class InfererService:
             "policy_waits": self.skipped_waits,
             "errors": dict(self.errors),
             "adversary": self.adversary,
+            "stages": self.stages.summary(),
         }
 
     async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -160,7 +163,9 @@ class InfererService:
             counter += 1
             made_for_policy += 1
             self.produced += 1
+            published = trio.current_time()
             await self._publish(node, frames)
+            self.stages.add("publish", trio.current_time() - published)
 
     async def _backpressure(self) -> None:
         """Wait while ``max_in_flight`` of our batches await a verdict: more would only queue up at the
@@ -252,7 +257,7 @@ class InfererService:
 
     def _switch(self, step: int, path: Path) -> None:
         from prime_node.ml.checkpoint import read_weights
-        from prime_node.ml.local_run import with_tied_head
+        from prime_node.ml.rollout_batch import with_tied_head
 
         weights = read_weights(path)
         self._engine.load_weights(with_tied_head(self._engine.model, weights), step)
@@ -265,11 +270,24 @@ class InfererService:
         assert self.policy_step is not None
         if self.adversary is not None:
             return self._attack_frames(counter, now_ms)
-        from prime_node.ml.local_run import make_batch
+        import time
+
+        from prime_node.ml.rollout_batch import make_batch
         from prime_node.verification.proofs import build_proofs
         from prime_node.verification.proving import seal_batch
         from protocol.codec import encode
 
+        proving = 0.0
+
+        def timed_proofs(hiddens: list[torch.Tensor]) -> list[bytes]:
+            nonlocal proving
+            began = time.perf_counter()
+            try:
+                return build_proofs(hiddens)
+            finally:
+                proving = time.perf_counter() - began
+
+        began = time.perf_counter()
         batch = make_batch(
             self._engine,
             self._task,
@@ -278,9 +296,14 @@ class InfererService:
             worker=self.key.address,
             policy_step=self.policy_step,
             batch_counter=counter,
-            prove=build_proofs,
+            prove=timed_proofs,
         )
-        return [encode(seal_batch(self.key, batch, now_ms=now_ms))]
+        made = time.perf_counter()
+        frame = encode(seal_batch(self.key, batch, now_ms=now_ms))
+        self.stages.add("generate", made - began - proving)
+        self.stages.add("prove", proving)
+        self.stages.add("sign", time.perf_counter() - made)
+        return [frame]
 
     def _attack_frames(self, counter: int, now_ms: int) -> list[bytes]:
         from prime_node.testing.adversary import Scenario

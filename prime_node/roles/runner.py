@@ -77,7 +77,8 @@ def preload() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM  # noqa: F401
 
     import prime_node.ml.engine
-    import prime_node.ml.local_run
+    import prime_node.ml.rollout_batch
+    import prime_node.ml.session
     import prime_node.verification.validator  # noqa: F401
 
 
@@ -274,6 +275,7 @@ class RoleRunner:
                 current_step=self._current_step,
                 reputation=reputation,
                 keep_policies=config.async_level + 1,
+                policies_changed=self.swarm.wait_changed,
             )
         if role == "trainer":
             self.reason += " (this node holds the trainer key: run `prime-node run-trainer` to train)"

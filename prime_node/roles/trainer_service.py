@@ -3,11 +3,13 @@
 It shares the starting policy through the weight swarm, then loops: accepted batches (an accepted,
 signed verdict from the run's validators; ``AdmissionService``) are admitted again by ``prepare``
 (run, shape, prompts, rewards recomputed; stale ones refused) and queued in a ``StepGatherer``; a step
-takes the informative groups of one policy step (see ``prime_node.roles.gather``), appends each batch
-to the fsynced rollout log, trains one GRPO step, writes the new policy as a Hugging Face directory
-and shares it. Held-out greedy accuracy is measured on a separate engine every ``eval_every`` steps
-without stopping the loop. Model work runs in worker threads (one at a time for the training model,
-one torch thread each) so the node keeps serving pieces and gossip.
+takes the informative groups of one policy step (see ``prime_node.roles.gather``) and trains one
+GRPO step through the ``TrainingSession`` the --local run drives too (``prime_node.ml.session``:
+resume, the fsynced rollout log before the step, checkpoints, evaluation), then writes the new policy
+as a Hugging Face directory and shares it. Held-out greedy accuracy is measured on the session's
+separate engine every ``eval_every`` steps without stopping the loop. Model work runs in worker
+threads (one at a time for the training model, one torch thread each) so the node keeps serving
+pieces and gossip.
 
 Only the holder of the run's trainer key runs this (checked before anything starts).
 """
@@ -15,7 +17,6 @@ Only the holder of the run's trainer key runs this (checked before anything star
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -29,9 +30,11 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
-from prime_node.roles.gather import Candidate, StepGatherer
+from prime_node.node.stage_times import StageTimes
+from prime_node.roles.gather import STALE_IN_QUEUE, Candidate, StepGatherer
 
 if TYPE_CHECKING:
+    from prime_node.ml.session import TrainingSession, Weights
     from prime_node.ml.trainer import Prepared, StepMetrics
     from prime_node.node.service import Node
     from protocol.rollouts import RolloutBatch
@@ -73,31 +76,12 @@ def check_trainer_key(config: RunConfig, key: WalletKey) -> RunConfig:
     return config
 
 
-def merge_prepared(parts: list[Prepared]) -> Prepared:
-    """One optimizer batch from several admitted batches of the same policy step."""
-    from prime_node.ml.trainer import Prepared
-
-    if not parts or len({p.policy_step for p in parts}) != 1:
-        raise ValueError("merge needs batches of one policy step")
-    if len(parts) == 1:
-        return parts[0]
-    samples = sum(p.groups_kept + p.groups_dropped for p in parts)
-    merged = Prepared(parts[0].policy_step, [], [], [], 0.0, 0, 0)
-    for part in parts:
-        merged.sequences += part.sequences
-        merged.prompt_lengths += part.prompt_lengths
-        merged.advantages += part.advantages
-        merged.groups_kept += part.groups_kept
-        merged.groups_dropped += part.groups_dropped
-        merged.reward_mean += part.reward_mean * (part.groups_kept + part.groups_dropped) / samples
-    return merged
-
-
 @dataclass
 class _Queued:
     prepared: Prepared
     frame: bytes
     worker: str
+    accepted_at: float
 
 
 @dataclass
@@ -150,13 +134,14 @@ class TrainerService:
         self.by_worker: Counter[str] = Counter()
         self.checkpoints_shared = 0
         self.timing = Timing()
+        self.stages = StageTimes()
         self.started_at = 0.0
         self.first_step_at: float | None = None
         self.done = trio.Event()
         self._arrived = trio.Event()
         self._model_lock = trio.CapacityLimiter(1)
         self._eval_running = False
-        self._state: Any = None
+        self.session: TrainingSession | None = None
 
     # -- status --------------------------------------------------------------------------------------
 
@@ -167,9 +152,11 @@ class TrainerService:
         if self.first_step_at is not None and done > 0 and now > self.first_step_at:
             rate = done / (now - self.first_step_at)
         rejected = Counter(self.rejected)
+        admission: dict[str, Any] = {}
         stats = getattr(self.admission, "stats", None)
         if callable(stats):  # the validators' reasons, as counted by admission
-            rejected.update(stats().get("rejected", {}))
+            admission = stats()
+            rejected.update(admission.get("rejected", {}))
         return {
             "step": self.step,
             "max_steps": self.config.max_steps,
@@ -183,6 +170,8 @@ class TrainerService:
             "queued": len(self.gatherer),
             "steps_per_s": round(rate, 3),
             "time_s": {k: round(v, 2) for k, v in asdict(self.timing).items()},
+            "stages": self.stages.summary(),
+            "admission_stages": admission.get("stages", {}),
         }
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -190,9 +179,9 @@ class TrainerService:
     async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         node.config = node.config.model_copy(update={"role": "trainer"})
         self.started_at = trio.current_time()
-        self._state = await trio.to_thread.run_sync(self._load)
-        self.step = self.start_step = self._state.trainer.step
-        policy = await trio.to_thread.run_sync(self._write_policy, self.step, None)
+        self.session = await trio.to_thread.run_sync(self._open)
+        self.step = self.start_step = self.session.step
+        policy = await trio.to_thread.run_sync(self._write_policy, self.step)
         await self._share(policy, self.step)
         node.status_sections["training"] = self.status
         task_status.started()
@@ -210,49 +199,14 @@ class TrainerService:
                 return
         await trio.sleep_forever()
 
-    def _load(self) -> Any:
+    def _open(self) -> TrainingSession:
         import torch
 
-        from prime_node.ml.checkpoint import list_checkpoints, load_optimizer_state, save_checkpoint
-        from prime_node.ml.distributed import DistInfo
-        from prime_node.ml.local_run import CheckpointWriter
-        from prime_node.ml.model import load_model
-        from prime_node.ml.rollout_log import RolloutLog
-        from prime_node.ml.tokenizer import load_tokenizer
-        from prime_node.ml.trainer import GRPOTrainer
-        from prime_node.tasks.factory import build_task
+        from prime_node.ml.session import TrainingSession
 
-        torch.set_num_threads(1)
-        torch.manual_seed(self.config.torch_seed)
+        torch.set_num_threads(1)  # per OS thread: every worker thread that runs model code sets it
         assert self.base is not None
-        root = self.config.output_dir / "checkpoints"
-        existing = list_checkpoints(root)
-        source = existing[-1].path if existing else self.base
-        model = load_model(source)
-        tokenizer = load_tokenizer(self.base)
-        trainer = GRPOTrainer(
-            self.config,
-            model,
-            tokenizer,
-            checkpoint_root=root,
-            dist=DistInfo(),
-            step=existing[-1].step if existing else 0,
-        )
-        if existing:
-            load_optimizer_state(trainer.optimizer, existing[-1].path / "optimizer.safetensors")
-            log.info("resuming the networked trainer from %s", existing[-1].path)
-        else:
-            save_checkpoint(root, 0, model, trainer.optimizer, self.base, {"run_id": self.config.run_id})
-        writer = CheckpointWriter(
-            root, self.base, self.config.checkpoints_to_keep, {"run_id": self.config.run_id}
-        )
-        return _State(
-            trainer=trainer,
-            tokenizer=tokenizer,
-            task=build_task(self.config.task),
-            rollout_log=RolloutLog(self.config.output_dir / "rollouts.log"),
-            writer=writer,
-        )
+        return TrainingSession(self.config, base=self.base)
 
     # -- intake: accepted batches -> admitted, queued ------------------------------------------------
 
@@ -263,31 +217,34 @@ class TrainerService:
             worker = str(getattr(accepted, "worker", batch.worker))
             if self.step >= self.config.max_steps:
                 continue
+            admitting = trio.current_time()
             try:
                 prepared, frame = await trio.to_thread.run_sync(
                     self._prepare, batch, limiter=self._model_lock
                 )
+                self.stages.add("admit", trio.current_time() - admitting)
             except NodeError as exc:
                 self.rejected[exc.reason] += 1
                 log.info("trainer refused an accepted batch from %s: %s", worker, exc)
                 continue
             self.batches_accepted += 1
             if not self.gatherer.add(
-                Candidate(prepared.policy_step, prepared.groups_kept, _Queued(prepared, frame, worker))
+                Candidate(
+                    prepared.policy_step,
+                    prepared.groups_kept,
+                    _Queued(prepared, frame, worker, trio.current_time()),
+                    drawn_groups=prepared.groups_kept + prepared.groups_dropped,
+                )
             ):
                 self.rejected["uninformative" if prepared.groups_kept == 0 else "queue_full"] += 1
                 continue
             self._arrived.set()
 
     def _prepare(self, batch: RolloutBatch) -> tuple[Prepared, bytes]:
-        from prime_node.ml.trainer import prepare
         from protocol.codec import encode
 
-        state = self._state
-        prepared = prepare(
-            batch, current_step=self.step, task=state.task, tokenizer=state.tokenizer, config=self.config
-        )
-        return prepared, encode(batch)
+        assert self.session is not None
+        return self.session.admit(batch, current_step=self.step), encode(batch)
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -298,18 +255,20 @@ class TrainerService:
             gathered = self.gatherer.take(self.step)
             if gathered is None or not gathered.batches:
                 if gathered is not None:
-                    self.rejected["stale"] += len(gathered.dropped_stale)
+                    self.rejected[STALE_IN_QUEUE] += len(gathered.dropped_stale)
                 waited = trio.current_time()
                 self._arrived = trio.Event()
                 await self._arrived.wait()
                 self.timing.waiting_s += trio.current_time() - waited
                 continue
-            self.rejected["stale"] += len(gathered.dropped_stale)
+            self.rejected[STALE_IN_QUEUE] += len(gathered.dropped_stale)
             queued = [c.item for c in gathered.batches]
             t0 = trio.current_time()
+            for item in queued:
+                self.stages.add("queue", t0 - item.accepted_at)
             metrics = await trio.to_thread.run_sync(self._train, queued, limiter=self._model_lock)
             t1 = trio.current_time()
-            policy = await trio.to_thread.run_sync(self._write_policy, metrics.step, self._state.trainer)
+            policy = await trio.to_thread.run_sync(self._write_policy, metrics.step)
             t2 = trio.current_time()
             self.step = metrics.step
             for item in queued:
@@ -321,6 +280,8 @@ class TrainerService:
             self.timing.train_s += t1 - t0
             self.timing.write_s += t2 - t1
             self.timing.share_s += t3 - t2
+            self.stages.add("train", t1 - t0)
+            self.stages.add("write_share", t3 - t1)
             if self.first_step_at is None:
                 self.first_step_at = t3
             if self.on_step is not None:
@@ -329,7 +290,7 @@ class TrainerService:
                 self._start_eval(nursery, self.step)
 
     async def _fill(self) -> None:
-        """Give a started step up to ``fill_wait_s`` to reach ``prompts_per_step`` informative groups."""
+        """Give a started step up to ``fill_wait_s`` to reach ``prompts_per_step`` groups."""
         ready = self.gatherer.ready_groups(self.step)
         if ready == 0 or ready >= self.config.prompts_per_step or self.fill_wait_s <= 0:
             return
@@ -344,16 +305,8 @@ class TrainerService:
         import torch
 
         torch.set_num_threads(1)
-        state = self._state
-        merged = merge_prepared([item.prepared for item in queued])
-        for item in queued:
-            state.rollout_log.append(self.step, item.frame)  # durable before training on it
-        metrics: StepMetrics = state.trainer.train_step(merged)
-        weights = state.trainer.history.get(state.trainer.step)
-        state.writer.submit(state.trainer.step, weights, state.trainer.optimizer)
-        with open(self.config.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(asdict(metrics)) + "\n")
-        return metrics
+        assert self.session is not None
+        return self.session.train([item.prepared for item in queued], [item.frame for item in queued])
 
     def _note(self, metrics: StepMetrics) -> None:
         self.reward_curve.append([metrics.step, round(metrics.reward_mean, 4)])
@@ -362,23 +315,18 @@ class TrainerService:
 
     # -- policies: write, share, prune ---------------------------------------------------------------
 
-    def _write_policy(self, step: int, trainer: Any) -> Path:
+    def _write_policy(self, step: int) -> Path:
         """policies/step_N: the HF files peers need (config, tokenizer, safetensors), nothing private."""
         from safetensors.torch import save_file
 
-        from prime_node.ml.checkpoint import model_weights, read_weights, step_dir
+        from prime_node.ml.checkpoint import step_dir
 
         root = self.config.output_dir / "policies"
         final = step_dir(root, step)
         if (final / "model.safetensors").is_file():
             return final
-        assert self.base is not None
-        if trainer is not None:
-            weights = trainer.history.get(step)
-        elif (step_dir(self.config.output_dir / "checkpoints", step) / "model.safetensors").is_file():
-            weights = read_weights(step_dir(self.config.output_dir / "checkpoints", step))
-        else:
-            weights = model_weights(self._state.trainer.model)
+        assert self.base is not None and self.session is not None
+        weights = self.session.weights(step)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -411,10 +359,10 @@ class TrainerService:
         if self._eval_running or not self.config.eval_tasks:
             return
         self._eval_running = True
-        weights = self._state.trainer.history.get(step)
-        nursery.start_soon(self._eval, step, weights)
+        assert self.session is not None
+        nursery.start_soon(self._eval, step, self.session.weights(step))
 
-    async def _eval(self, step: int, weights: Any) -> None:
+    async def _eval(self, step: int, weights: Weights) -> None:
         t0 = trio.current_time()
         try:
             accuracy = await trio.to_thread.run_sync(self._evaluate, weights)
@@ -429,50 +377,18 @@ class TrainerService:
             await trio.sleep(0.05)
         if not self.held_out or self.held_out[-1][0] != self.step:
             self._eval_running = True
-            await self._eval(self.step, self._state.trainer.history.get(self.step))
+            assert self.session is not None
+            await self._eval(self.step, self.session.weights(self.step))
 
-    def _evaluate(self, weights: Any) -> float:
+    def _evaluate(self, weights: Weights) -> float:
         import torch
 
-        from prime_node.ml.evaluation import greedy_accuracy
-        from prime_node.ml.local_run import with_tied_head
-
         torch.set_num_threads(1)
-        state = self._state
-        if state.eval_engine is None:
-            from prime_node.ml.engine import TorchEngine
-            from prime_node.ml.model import load_model
-            from prime_node.ml.tokenizer import load_tokenizer
-
-            assert self.base is not None
-            state.eval_tokenizer = load_tokenizer(self.base)
-            state.eval_engine = TorchEngine(
-                load_model(self.base),
-                eos_token_id=state.eval_tokenizer.eos_token_id,
-                pad_token_id=state.eval_tokenizer.pad_token_id,
-            )
-        engine = state.eval_engine
-        engine.load_weights(with_tied_head(engine.model, weights), -1)
-        ids = list(state.task.eval_ids())[: self.config.eval_tasks]
-        return float(
-            greedy_accuracy(
-                engine, state.eval_tokenizer, state.task, ids, max_new_tokens=self.config.max_new_tokens
-            )
-        )
+        assert self.session is not None
+        return self.session.evaluate(weights)
 
     def close(self) -> None:
         """Flush the checkpoint writer (the CLI calls this on shutdown)."""
-        if self._state is not None:
+        if self.session is not None:
             with contextlib.suppress(NodeError):
-                self._state.writer.close()
-
-
-@dataclass
-class _State:
-    trainer: Any
-    tokenizer: Any
-    task: Any
-    rollout_log: Any
-    writer: Any
-    eval_engine: Any = None
-    eval_tokenizer: Any = None
+                self.session.close()

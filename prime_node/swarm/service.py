@@ -260,6 +260,10 @@ class SwarmService:
                 return newest
             await self.changed.wait()
 
+    async def wait_changed(self) -> None:
+        """Return at the next change of the held versions (one completed, dropped or added)."""
+        await self.changed.wait()
+
     def progress(self, manifest_id: bytes) -> tuple[int, int] | None:
         """(pieces held, piece count) of a version, or None if unknown."""
         version = self.versions.get(manifest_id)

@@ -23,6 +23,7 @@ import trio
 from crypto.digests import blake3
 from crypto.keys import Address
 from prime_node.errors import NodeError
+from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission import VerdictBook
 from prime_node.verification.reputation import ReputationService
 from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
@@ -49,6 +50,8 @@ class AcceptedBatch:
     batch_id: bytes
     validator_rewards: tuple[float, ...]
     """Rewards the (first) accepting validator recomputed; the trainer recomputes its own anyway."""
+    accepted_at: float = 0.0
+    """trio time at which the quorum was reached (the trainer times its queue from here)."""
 
 
 class AdmissionService:
@@ -76,8 +79,12 @@ class AdmissionService:
         self._settled: OrderedDict[bytes, bool] = OrderedDict()  # handed out (True) or rejected (False)
         self._ready: deque[AcceptedBatch] = deque()
         self._wakeup = trio.Event()
+        self._arrived_at: dict[bytes, float] = {}
+        self.stages = StageTimes()
+        self._node: Node | None = None
 
     async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self._node = node
         self.reputation.attach(node)
         await node.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
         await node.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
@@ -99,6 +106,7 @@ class AdmissionService:
             "ready": len(self._ready),
             "dropped": self.counts["dropped_frames"] + self.counts["dropped_ready"],
             "untrusted_verdicts": self.reputation.counts["verdicts_ignored_untrusted_validator"],
+            "stages": self.stages.summary(),
         }
 
     # -- handlers ---------------------------------------------------------------------------------------
@@ -121,10 +129,13 @@ class AdmissionService:
             self.counts["malformed_frames"] += 1
             return
         self.reputation.learn(message.origin, message.origin_peer_id)
+        self._delivered("rollout_delivery", message)
         self._frames[batch_id] = batch
+        self._arrived_at[batch_id] = trio.current_time()
         while len(self._frames) > self.capacity:
             forgotten, _ = self._frames.popitem(last=False)
             self._first_accept.pop(forgotten, None)
+            self._arrived_at.pop(forgotten, None)
             self.counts["dropped_frames"] += 1
         self._settle(batch_id)
 
@@ -133,6 +144,7 @@ class AdmissionService:
         if opened is None:
             return
         verdict, validator = opened
+        self._delivered("verdict_delivery", message)
         if self.penalise:
             self.reputation.observe(verdict)
         self.book.record(verdict, validator)
@@ -149,6 +161,7 @@ class AdmissionService:
             self._mark(batch_id, handed_out=False)
             self._frames.pop(batch_id, None)
             self._first_accept.pop(batch_id, None)
+            self._arrived_at.pop(batch_id, None)
             self.counts["rejected"] += 1
             verdict = self.book.verdict_of(batch_id)
             for reason in verdict.reasons if verdict is not None else ("rejected",):
@@ -162,13 +175,22 @@ class AdmissionService:
         self._mark(batch_id, handed_out=True)
         self.counts["accepted"] += 1
         self.accepted_by_worker[str(batch.worker)] += 1
+        now = trio.current_time()
+        self.stages.add("await_verdict", now - self._arrived_at.pop(batch_id, now))
         self._ready.append(
-            AcceptedBatch(batch, batch.worker, batch_id, first.rewards if first is not None else ())
+            AcceptedBatch(
+                batch, batch.worker, batch_id, first.rewards if first is not None else (), accepted_at=now
+            )
         )
         while len(self._ready) > self.capacity:
             self._ready.popleft()
             self.counts["dropped_ready"] += 1
         self._wakeup.set()
+
+    def _delivered(self, stage: str, message: Delivered) -> None:
+        """Gossip latency of one message: our wall clock minus the origin's signed timestamp."""
+        if self._node is not None:
+            self.stages.add(stage, (self._node.gossip.clock.wall_ms() - message.timestamp_ms) / 1000)
 
     def _mark(self, batch_id: bytes, *, handed_out: bool) -> None:
         self._settled[batch_id] = handed_out

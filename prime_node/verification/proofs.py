@@ -3,9 +3,10 @@
 The inferer passes ``Completion.hidden`` (float32 [n_tokens, hidden], row t = the final hidden state at
 the position that predicted token t) and gets one proof blob per completion: 258 bytes per started
 chunk of 32 tokens, the layout of ``crypto.toploc``. The validator passes ``Prefill.hidden`` for the
-same tokens and gets one ``ChunkCheck`` per chunk. Rounding to bf16 happens here (round to nearest
-even, as torch does), so both sides commit to and compare the same bit patterns; all the arithmetic is
-the pure numpy code in ``crypto.toploc``.
+same tokens and gets one ``ChunkCheck`` per chunk. Rounding to bf16 (round to nearest even, as torch
+does) happens in ``crypto.toploc`` and only for the entries that can reach the top-k, so both sides
+commit to and compare the same bit patterns without converting whole hidden-state matrices; all the
+arithmetic is the pure numpy code in ``crypto.toploc``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ ENGINE_THRESHOLDS = Thresholds(max_exp_mismatches=8, max_mant_err_mean=2.0, max_
 
 
 def bf16_bits(hidden: torch.Tensor) -> np.ndarray:
-    """uint16 [n, hidden]: the bf16 bit patterns of a float hidden-state matrix."""
+    """uint16 [n, hidden]: the bf16 bit patterns of a float hidden-state matrix (torch's rounding)."""
     import torch
 
     if hidden.dim() != 2:
@@ -45,16 +46,51 @@ def completion_chunks(hidden: torch.Tensor) -> list[np.ndarray]:
     return [bits[i : i + step].reshape(-1) for i in range(0, bits.shape[0], step)]
 
 
+def _entries(hidden: torch.Tensor) -> np.ndarray:
+    """[n, hidden] as numpy without a conversion pass: float32 values (``crypto.toploc`` rounds only the
+    entries that can reach the top-k, exactly as torch rounds), or bf16 bit patterns. Other dtypes are
+    rounded by torch, as before."""
+    import torch
+
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden states must be [tokens, hidden], got shape {tuple(hidden.shape)}")
+    tensor = hidden.detach().cpu()
+    if tensor.dtype == torch.float32:
+        values: np.ndarray = tensor.contiguous().numpy()
+        return values
+    if tensor.dtype == torch.bfloat16:
+        bits: np.ndarray = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+        return bits
+    return bf16_bits(tensor)
+
+
+def _chunk_blocks(hiddens: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], list[int]]:
+    """Every completion's chunks as 2-D blocks (its full chunks as one view, then its short last chunk),
+    and each completion's number of chunks."""
+    step = toploc.CHUNK_TOKENS
+    blocks: list[np.ndarray] = []
+    chunk_counts: list[int] = []
+    for hidden in hiddens:
+        entries = _entries(hidden)
+        tokens = entries.shape[0]
+        full = tokens // step
+        if full:
+            blocks.append(entries[: full * step].reshape(full, -1))
+        if tokens % step:
+            blocks.append(entries[full * step :].reshape(1, -1))
+        chunk_counts.append(-(-tokens // step))
+    return blocks, chunk_counts
+
+
 def build_proofs(hiddens: Sequence[torch.Tensor]) -> list[bytes]:
     """One proof blob per completion; all chunks of all completions are interpolated together."""
-    per_completion = [completion_chunks(hidden) for hidden in hiddens]
-    flat = [chunk for chunks in per_completion for chunk in chunks]
-    proofs = toploc.commit_chunks(flat)
+    blocks, chunk_counts = _chunk_blocks(hiddens)
+    proofs = toploc.commit_points(toploc.select_points(blocks))
     blobs: list[bytes] = []
     start = 0
-    for chunks in per_completion:
-        blobs.append(b"".join(proofs[start : start + len(chunks)]))
-        start += len(chunks)
+    for count in chunk_counts:
+        blobs.append(b"".join(proofs[start : start + count]))
+        start += count
     return blobs
 
 
@@ -62,19 +98,18 @@ def check_proofs(hiddens: Sequence[torch.Tensor], blobs: Sequence[bytes]) -> lis
     """Per completion, one ChunkCheck per chunk. A malformed blob raises CryptoError (with a reason)."""
     if len(hiddens) != len(blobs):
         raise ValueError("one proof blob per completion")
-    per_completion = [completion_chunks(hidden) for hidden in hiddens]
-    flat_chunks = [chunk for chunks in per_completion for chunk in chunks]
     flat_proofs = [
         proof
         for hidden, blob in zip(hiddens, blobs, strict=True)
         for proof in toploc.split_proofs(blob, int(hidden.shape[0]))
     ]
-    checks = toploc.check_chunks(flat_chunks, flat_proofs)
+    blocks, chunk_counts = _chunk_blocks(hiddens)
+    checks = toploc.check_points(toploc.select_points(blocks), flat_proofs)
     out: list[list[ChunkCheck]] = []
     start = 0
-    for chunks in per_completion:
-        out.append(checks[start : start + len(chunks)])
-        start += len(chunks)
+    for count in chunk_counts:
+        out.append(checks[start : start + count])
+        start += count
     return out
 
 

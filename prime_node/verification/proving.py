@@ -37,7 +37,7 @@ def proven_batch(
     batch_counter: int,
 ) -> RolloutBatch:
     """The scheduled batch for (worker, policy_step, batch_counter), every sample with its proof."""
-    from prime_node.ml.local_run import make_batch
+    from prime_node.ml.rollout_batch import make_batch
 
     return make_batch(
         engine,

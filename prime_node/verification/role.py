@@ -8,12 +8,14 @@ already holds (Hugging Face layout, safetensors only) and keeps the most recent 
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from crypto.keys import WalletKey
+from prime_node.errors import NodeError
 from prime_node.verification.validator import BatchValidator, ValidationResult
 from protocol.envelope import Envelope
 from protocol.verdict import seal_verdict
@@ -26,7 +28,11 @@ class PolicyEngines:
     """``engines(step)``: an engine holding policy ``step``, or None when no checkpoint for it exists.
 
     ``locate(step)`` names the step's model directory (or None); at most ``keep`` engines stay loaded,
-    the least recently used is dropped first.
+    the least recently used is dropped first. A new policy arrives every trainer step, so once ``keep``
+    engines exist the dropped one's model is reused: the new step's safetensors weights are loaded into
+    it (a strict ``load_state_dict``), which is far cheaper than building a model with
+    ``from_pretrained``. Only the first ``keep`` policies, or a checkpoint whose ``config.json`` differs
+    from the model's, build a model. ``builds`` counts those.
     """
 
     def __init__(self, locate: Callable[[int], Path | None], tokenizer: Any, *, keep: int = 3) -> None:
@@ -35,7 +41,9 @@ class PolicyEngines:
         self.locate = locate
         self.tokenizer = tokenizer
         self.keep = keep
+        self.builds = 0
         self._loaded: OrderedDict[int, TorchEngine] = OrderedDict()
+        self._configs: dict[int, Any] = {}  # id(engine) → the parsed config.json it was built from
 
     def __call__(self, step: int) -> TorchEngine | None:
         if step in self._loaded:
@@ -44,19 +52,67 @@ class PolicyEngines:
         directory = self.locate(step)
         if directory is None or not directory.is_dir():
             return None
+        config = _read_config(directory)
+        oldest = next(iter(self._loaded.values()), None)
+        if (
+            len(self._loaded) >= self.keep
+            and oldest is not None
+            and config is not None
+            and (self._configs[id(oldest)] == config)
+        ):
+            self._loaded.popitem(last=False)
+            del self._configs[id(oldest)]
+            engine = self._reload(oldest, directory, step)
+        else:
+            engine = self._build(directory, step)
+        self._configs[id(engine)] = config
+        self._loaded[step] = engine
+        while len(self._loaded) > self.keep:
+            _, dropped = self._loaded.popitem(last=False)
+            self._configs.pop(id(dropped), None)
+        return engine
+
+    def _build(self, directory: Path, step: int) -> TorchEngine:
         from prime_node.ml.engine import TorchEngine
         from prime_node.ml.model import load_model
 
-        engine = TorchEngine(
-            load_model(directory),
+        model = load_model(directory)
+        self.builds += 1
+        return TorchEngine(
+            model,
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
             policy_step=step,
         )
-        self._loaded[step] = engine
-        while len(self._loaded) > self.keep:
-            self._loaded.popitem(last=False)
+
+    def _reload(self, engine: TorchEngine, directory: Path, step: int) -> TorchEngine:
+        """``engine`` holding the weights of ``directory`` (the engine is dropped if they do not load)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from prime_node.ml.model import check_model_dir
+        from prime_node.ml.rollout_batch import with_tied_head
+
+        check_model_dir(directory)
+        try:
+            weights: dict[str, Any] = {}
+            for path in sorted(directory.glob("*.safetensors")):
+                weights.update(load_file(str(path)))
+            engine.load_weights(with_tied_head(engine.model, weights), step)
+        except (OSError, SafetensorError, RuntimeError, KeyError, ValueError) as exc:
+            raise NodeError(f"cannot load a model from {directory}: {exc}", reason="bad_model_dir") from exc
+        engine.eos_token_id = self.tokenizer.eos_token_id
+        engine.pad_token_id = self.tokenizer.pad_token_id
         return engine
+
+
+def _read_config(directory: Path) -> Any:
+    """The parsed config.json of a model directory, or None when there is none to read (a fresh build
+    then reports the problem)."""
+    try:
+        return json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 class Judge:

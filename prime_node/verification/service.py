@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ import trio
 
 from crypto.keys import Address, WalletKey
 from prime_node.errors import NodeError
+from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission_service import AcceptedBatch, AdmissionService
 from prime_node.verification.reputation import ReputationService
 from prime_node.verification.topics import (
@@ -77,6 +78,7 @@ class _Queued:
     frame: bytes
     origin: Address
     origin_peer_id: str
+    queued_at: float
 
 
 class ValidatorService:
@@ -96,6 +98,7 @@ class ValidatorService:
         poll_s: float = 0.5,
         keep_policies: int = 3,
         check_policy: CheckPolicy | None = None,
+        policies_changed: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         if queue_size < 1 or policy_wait_s < 0 or poll_s <= 0:
             raise ValueError("queue_size must be positive, waits non-negative")
@@ -110,6 +113,8 @@ class ValidatorService:
         self.poll_s = poll_s
         self.keep_policies = keep_policies
         self.check_policy = check_policy or CheckPolicy()
+        self.policies_changed = policies_changed
+        self.stages = StageTimes()
         self.counts: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.recent: deque[Judged] = deque(maxlen=RECENT_RESULTS)
@@ -150,6 +155,7 @@ class ValidatorService:
             "mean_validate_s": round(self._validate_s / validated, 4) if validated else 0.0,
             "dropped_backlog": self.counts["dropped_backlog"],
             "dropped_banned": self.counts["dropped_banned"],
+            "stages": self.stages.summary(),
         }
 
     async def on_verdict(self, message: Delivered) -> None:
@@ -163,19 +169,26 @@ class ValidatorService:
                 self.counts["dropped_banned"] += 1
                 return
             self.reputation.learn(message.origin, message.origin_peer_id)
+        if self._node is not None:
+            self.stages.add("delivery", (self._node.gossip.clock.wall_ms() - message.timestamp_ms) / 1000)
         if len(self._queue) >= self.queue_size:
             self._queue.popleft()
             self.counts["dropped_backlog"] += 1
-        self._queue.append(_Queued(message.payload, message.origin, message.origin_peer_id))
+        self._queue.append(
+            _Queued(message.payload, message.origin, message.origin_peer_id, trio.current_time())
+        )
         self._arrived.set()
 
     # -- one batch --------------------------------------------------------------------------------------
 
     async def _validate(self, node: Node, item: _Queued) -> None:
+        dequeued = trio.current_time()
+        self.stages.add("queue", dequeued - item.queued_at)
         step = _claimed_step(item.frame)
         if step is not None:
             await self._await_policy(step)
         started = trio.current_time()
+        self.stages.add("policy_wait", started - dequeued)
         judge = functools.partial(
             self._judge_sync, item.frame, node.gossip.clock.wall_ms(), self.current_step()
         )
@@ -186,6 +199,7 @@ class ValidatorService:
             self.counts["errors"] += 1
             return
         self._validate_s += trio.current_time() - started
+        self.stages.add("validate", trio.current_time() - started)
         self.counts["validated"] += 1
         if result.accepted:
             self.counts["accepted"] += 1
@@ -194,7 +208,9 @@ class ValidatorService:
         published = False
         if envelope is not None:
             try:
+                publishing = trio.current_time()
                 await node.gossip.publish(VERDICTS_TOPIC, encode(envelope))
+                self.stages.add("publish_verdict", trio.current_time() - publishing)
                 published = True
             except NodeError as exc:
                 log.warning("verdict on %s not gossiped: %s", result.batch_id.hex()[:16], exc)
@@ -214,7 +230,12 @@ class ValidatorService:
                 return  # stale, or further ahead than one missed manifest: the pipeline rejects it now
             if step <= current and self._has_policy(step):
                 return
-            await trio.sleep(self.poll_s)
+            # Woken as soon as the weight swarm completes a version; the poll is only a fallback.
+            with trio.move_on_after(min(self.poll_s, max(0.0, deadline - trio.current_time()))):
+                if self.policies_changed is not None:
+                    await self.policies_changed()
+                else:
+                    await trio.sleep_forever()
         self.counts["policy_wait_timeouts"] += 1
 
     def _has_policy(self, step: int) -> bool:

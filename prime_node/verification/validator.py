@@ -33,7 +33,7 @@ import numpy as np
 
 from crypto.digests import blake3
 from crypto.errors import CryptoError
-from crypto.toploc import Thresholds, decode_proof, split_proofs
+from crypto.toploc import Thresholds, decode_proofs, split_proofs
 from prime_node.verification.proofs import ENGINE_THRESHOLDS
 from prime_node.verification.reasons import Reason
 from protocol import schedule
@@ -269,8 +269,7 @@ class BatchValidator:
                 result.reject(Reason.MISSING_PROOF, f"sample {number} carries no TOPLOC proof", number)
                 continue
             try:
-                for chunk in split_proofs(sample.proof, len(tokens)):
-                    decode_proof(chunk)
+                decode_proofs(split_proofs(sample.proof, len(tokens)))
             except CryptoError as exc:
                 result.reject(Reason.MALFORMED_PROOF, f"sample {number}: {exc}", number)
         return result.accepted
@@ -308,17 +307,21 @@ class BatchValidator:
         own = token_logprobs(logits, torch.as_tensor(tokens), batch.temperature)
         claimed = torch.tensor([v for s in samples for v in s.completion_logprobs()], dtype=torch.float32)
         errors = (own - claimed).abs()
-        start = 0
-        for number, completion in zip(numbers, completions, strict=True):
-            end = start + len(completion)
-            margin, error = margins[start:end], errors[start:end]
-            start = end
-            if float(margin.max()) > self.policy.replay_tolerance:
-                where, worst = int(margin.argmax()), float(margin.max())
+        # Per-sample maxima in two numpy reductions instead of two torch calls per sample (NaN
+        # propagates in both, and argmax picks the first maximum in both).
+        margin_values = margins.detach().cpu().numpy()
+        error_values = errors.detach().cpu().numpy()
+        starts = np.cumsum([0, *(len(c) for c in completions)])[:-1]
+        worst_margins = np.maximum.reduceat(margin_values, starts).tolist()
+        worst_errors = np.maximum.reduceat(error_values, starts).tolist()
+        for number, completion, start, worst, worst_error in zip(
+            numbers, completions, starts.tolist(), worst_margins, worst_errors, strict=True
+        ):
+            if worst > self.policy.replay_tolerance:
+                where = int(np.argmax(margin_values[start : start + len(completion)]))
                 detail = f"sample {number}: the seeded rule does not pick token {where} (margin {worst:.3g})"
                 result.reject(Reason.SAMPLING_MISMATCH, detail, number)
                 continue
-            worst_error = float(error.max())
             if not worst_error <= self.policy.logprob_tolerance:
                 detail = f"sample {number}: log-prob off by {worst_error:.3g}"
                 result.reject(Reason.LOGPROB_MISMATCH, detail, number)

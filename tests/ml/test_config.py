@@ -47,6 +47,9 @@ def test_every_field_is_documented() -> None:
         ("unknown_knob = 3\n", "unknown_knob"),
         ('trainer_address = "0x12"\n', "trainer_address"),
         ('run_id = "Has Spaces"\n', "run_id"),
+        ('objective = "vtrace"\n', "objective"),
+        ("is_cap = 0.5\n", "is_cap"),
+        ("is_mask_low = 1.5\n", "is_mask_low"),
     ],
 )
 def test_a_bad_config_is_one_line_naming_the_field(tmp_path: Path, toml: str, field: str) -> None:

@@ -12,8 +12,8 @@ import torch
 from prime_node.config import RunConfig
 from prime_node.ml.distributed import DistInfo
 from prime_node.ml.engine import TorchEngine
-from prime_node.ml.local_run import LOCAL_WORKER, make_batch
 from prime_node.ml.model import load_model
+from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch
 from prime_node.ml.tokenizer import load_tokenizer
 from prime_node.ml.trainer import GRPOTrainer, RejectedBatchError, prepare
 from prime_node.tasks.arithmetic import ArithmeticTask

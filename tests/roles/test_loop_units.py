@@ -13,7 +13,7 @@ from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.roles.announcement import announced_config, worker_run_config
-from prime_node.roles.gather import Candidate, StepGatherer
+from prime_node.roles.gather import STALE_IN_QUEUE, Candidate, StepGatherer
 from protocol.codec import decode, encode
 from protocol.envelope import Envelope, seal
 from protocol.errors import RemoteProtocolError
@@ -129,11 +129,31 @@ def test_a_step_takes_the_oldest_admissible_policy_up_to_prompts_per_step_inform
     first = gatherer.take(5)
     assert first is not None and first.policy_step == 4 and [c.item for c in first.batches] == ["b", "c", "d"]
     assert [c.item for c in first.dropped_stale] == ["stale"]
+    assert gatherer.stale_in_queue == 1  # went stale while queued: its own reason, not admission's "stale"
+    assert STALE_IN_QUEUE == "stale_in_queue"
     second = gatherer.take(6)
     assert second is not None and [c.item for c in second.batches] == ["e"]
     third = gatherer.take(7)
     assert third is not None and [c.item for c in third.batches] == ["f"]
     assert gatherer.take(7) is None
+
+
+def test_a_step_counts_drawn_groups_so_one_full_batch_is_one_step_as_in_the_local_trainer() -> None:
+    """A networked step gets the data of one local step: one batch of prompts_per_step prompts, however
+    few of its groups are informative (counting only informative groups made steps of ~2 batches)."""
+    gatherer: StepGatherer[str] = StepGatherer(prompts_per_step=16, async_level=2)
+    for name, informative in (("a", 5), ("b", 9), ("c", 16)):
+        assert gatherer.add(Candidate(3, informative, name, drawn_groups=16))
+    assert gatherer.ready_groups(3) == 48
+    for expected in ("a", "b", "c"):
+        taken = gatherer.take(3)
+        assert taken is not None and [c.item for c in taken.batches] == [expected]
+    half: StepGatherer[str] = StepGatherer(prompts_per_step=16, async_level=2)
+    for name in ("x", "y", "z"):  # half-size batches (fewer prompts each) fill a step two at a time
+        half.add(Candidate(3, 2, name, drawn_groups=8))
+    taken = half.take(3)
+    assert taken is not None and [c.item for c in taken.batches] == ["x", "y"]
+    assert not half.add(Candidate(3, 0, "flat", drawn_groups=16))  # nothing to train on, whatever its size
 
 
 def test_ready_groups_counts_what_the_next_step_would_take() -> None:
@@ -171,13 +191,19 @@ def test_gathering_never_trains_stale_future_or_mixed_policies(
     gatherer: StepGatherer[int] = StepGatherer(prompts_per_step=target, async_level=async_level)
     for index, (policy, groups) in enumerate(batches):
         gatherer.add(Candidate(policy, groups, index))
+    queued = len(gatherer)
     seen: set[int] = set()
+    dropped: set[int] = set()
     for current in sorted(steps):
+        gatherer.ready_groups(current)  # looking never drops or counts anything
         taken = gatherer.take(current)
         if taken is None:
             continue
         for candidate in taken.dropped_stale:
             assert candidate.policy_step < current - async_level
+            assert candidate.item not in dropped | seen
+            dropped.add(candidate.item)
+        assert gatherer.stale_in_queue == len(dropped)
         if not taken.batches:
             continue
         assert {c.policy_step for c in taken.batches} == {taken.policy_step}
@@ -188,6 +214,8 @@ def test_gathering_never_trains_stale_future_or_mixed_policies(
         ids = {c.item for c in taken.batches}
         assert not ids & seen
         seen |= ids
+    # every queued batch is trained on, dropped as stale_in_queue, or still waiting: exactly one of them
+    assert len(seen) + len(dropped) + len(gatherer) == queued
 
 
 # -- the trainer's key and merged steps ------------------------------------------------------------------
@@ -207,8 +235,8 @@ def test_only_the_trainer_key_may_run_the_trainer() -> None:
 
 
 def test_merged_batches_keep_every_sample_and_weigh_rewards_by_size() -> None:
+    from prime_node.ml.session import merge_prepared
     from prime_node.ml.trainer import Prepared
-    from prime_node.roles.trainer_service import merge_prepared
 
     a = Prepared(3, [[1, 2]], [1], [0.5], 1.0, 1, 1)
     b = Prepared(3, [[4, 5], [6, 7]], [1, 1], [-1.0, 1.0], 0.0, 2, 0)

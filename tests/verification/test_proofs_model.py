@@ -81,3 +81,56 @@ def test_a_cut_proof_is_a_crypto_error(honest: Honest) -> None:
     with pytest.raises(CryptoError) as caught:
         check_proofs([prefills[0].hidden], [proofs[0][:-1]])
     assert caught.value.reason == "proof_truncated"
+
+
+def test_proofs_match_the_previous_implementation_on_float_hidden_states() -> None:
+    """Same bytes and checks as before the speed-up (which rounded whole matrices with torch), for
+    float32 (rounded lazily in numpy), bfloat16 and float16 inputs, at small and 4096-wide hidden sizes."""
+    import numpy as np
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tests.verification import toploc_legacy as legacy
+
+    @settings(max_examples=12, deadline=None)
+    @given(st.integers(0, 2**32 - 1))
+    def compare(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        hidden_size = int(rng.choice([8, 64, 4096]))
+        hiddens = []
+        for _ in range(int(rng.integers(1, 5))):
+            tokens = int(rng.integers(0, 70 if hidden_size < 4096 else 40))
+            values = rng.standard_normal((tokens, hidden_size)).astype(np.float32)
+            if rng.integers(0, 2):  # halfway cases of the bf16 rounding, and ties
+                words = values.view(np.uint32)
+                words[:] = (words & 0xFFFF0000) | rng.choice([0x8000, 0x7FFF, 0x8001, 0], size=words.shape)
+            if tokens and rng.integers(0, 2):
+                values[:, 3] *= 400.0  # a massive-activation channel
+            hiddens.append(torch.from_numpy(values))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            cast = [h.to(dtype) for h in hiddens]
+            proofs = build_proofs(cast)
+            assert proofs == legacy.build_proofs(cast)
+            new = [[vars(c) for c in per] for per in check_proofs(cast, proofs)]
+            assert new == [[vars(c) for c in per] for per in legacy.check_proofs(cast, proofs)]
+
+    compare()
+
+
+def test_numpy_bf16_rounding_equals_torch_for_every_non_nan_value() -> None:
+    import numpy as np
+
+    from crypto.toploc import bf16_round
+
+    rng = np.random.default_rng(0)
+    words = np.concatenate(
+        [
+            rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32),
+            (rng.integers(0, 1 << 16, 20_000, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000,
+            np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 1], dtype=np.uint32),
+        ]
+    )
+    words = words[(words & 0x7FFFFFFF) <= 0x7F800000]
+    values = words.view(np.float32)
+    expected = torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(bf16_round(values), expected)

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from crypto import toploc
@@ -236,3 +236,72 @@ def test_check_refuses_a_proof_count_that_does_not_match() -> None:
     with pytest.raises(CryptoError) as caught:
         toploc.check_chunks([chunk, chunk], toploc.commit_chunks([chunk]))
     assert caught.value.reason == "proof_count"
+
+
+# --- Byte-identical to the implementation before the issue-11 speed-up (tests/verification/toploc_legacy.py)
+
+from tests.verification import toploc_legacy as legacy  # noqa: E402
+
+
+def wide_chunk(rng: np.random.Generator, width: int, kind: int) -> np.ndarray:
+    """bf16 bits of one chunk: random words, heavy ties, Gaussian-like, or a few large channels."""
+    if kind == 0:
+        return rng.integers(0, 1 << 16, width).astype(np.uint16)
+    if kind == 1:
+        return (0x3F80 + rng.integers(0, 3, width)).astype(np.uint16)
+    values = rng.standard_normal(width).astype(np.float32)
+    if kind == 3:
+        values[rng.integers(0, width, 40)] *= 500.0
+    return (values.view(np.uint32) >> 16).astype(np.uint16)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(0, 2**32 - 1),
+    st.lists(
+        st.sampled_from([1, 5, 64, 127, 128, 129, 300, 2048, 4095, 4096, 6000, 40_000]),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_commit_and_check_match_the_previous_implementation(seed: int, widths: list[int]) -> None:
+    rng = np.random.default_rng(seed)
+    chunks = [wide_chunk(rng, width, int(rng.integers(0, 4))) for width in widths]
+    proofs = toploc.commit_chunks(chunks)
+    assert proofs == legacy.commit_chunks(chunks)
+    other = [wide_chunk(rng, len(chunk), 2) for chunk in chunks]  # a dishonest recomputation too
+    for recomputed in (chunks, other):
+        new = [vars(check) for check in toploc.check_chunks(recomputed, proofs)]
+        old = [vars(check) for check in legacy.check_chunks(recomputed, proofs)]
+        assert new == old
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(4096, 20_000), st.integers(1, 128))
+def test_prefiltered_top_entries_match_the_exact_selection(seed: int, width: int, k: int) -> None:
+    rng = np.random.default_rng(seed)
+    bits = np.stack([wide_chunk(rng, width, kind) for kind in range(4)])
+    assert np.array_equal(toploc.top_entries(bits, k), legacy.top_entries(bits, k))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 40))
+def test_interpolation_matches_the_previous_implementation(seed: int, rows: int) -> None:
+    rng = np.random.default_rng(seed)
+    # Half the rows on the points {0, …, 127} (the precomputed-basis path), half anywhere in the field.
+    xs = np.stack(
+        [rng.permutation(128) if i % 2 else rng.choice(P, size=128, replace=False) for i in range(rows)]
+    )
+    ys = rng.integers(0, 1 << 16, size=(rows, 128))
+    assert np.array_equal(toploc.interpolate(xs, ys), legacy.interpolate(xs, ys))
+
+
+@given(st.lists(st.integers(0, 0xFFFFFFFF), min_size=1, max_size=200))
+def test_bf16_rounding_is_round_to_nearest_even_with_one_nan(words: list[int]) -> None:
+    values = np.array(words, dtype=np.uint32).view(np.float32)
+    got = toploc.bf16_round(values).tolist()
+    for word, bits in zip(words, got, strict=True):
+        if (word & 0x7FFFFFFF) > 0x7F800000:
+            assert bits == 0x7FC0
+        else:
+            assert bits == ((word + 0x7FFF + ((word >> 16) & 1)) >> 16) & 0xFFFF

@@ -267,3 +267,47 @@ def test_policies_load_by_step_from_disk_and_a_judge_signs_verdicts(
     assert envelope is not None and decode(envelope.payload, Verdict).accepted is False
     result, envelope = judge.judge(b"garbage", now_ms=scenario.now_ms, current_step=5)
     assert result.reasons == [Reason.MALFORMED_ENVELOPE] and envelope is None
+
+
+def test_policy_engines_reuse_models_and_match_fresh_loads(scenario: Scenario, tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+
+    from prime_node.errors import NodeError
+    from prime_node.ml.model import create_tiny_model, load_model, save_model_dir
+    from prime_node.verification.role import PolicyEngines
+
+    for step in range(4):
+        model, _ = create_tiny_model(10 + step)
+        save_model_dir(model, scenario.tokenizer, tmp_path / f"step_{step}")
+    engines = PolicyEngines(lambda step: tmp_path / f"step_{step}", scenario.tokenizer, keep=2)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    for step in [0, 1, 2, 3, 0, 2, 2, 1, 3]:
+        engine = engines(step)
+        assert engine is not None and engine.policy_step == step
+        with torch.no_grad():
+            got = engine.model(ids).logits
+            want = load_model(tmp_path / f"step_{step}")(ids).logits
+        assert torch.allclose(got, want, rtol=0, atol=0)
+    assert engines.builds == 2  # the pool size: every later policy was loaded into an existing model
+    # A checkpoint that does not load is still a NodeError, and the engine it was meant for is dropped.
+    broken = tmp_path / "step_9"
+    shutil.copytree(tmp_path / "step_0", broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(NodeError) as caught:
+        engines(9)
+    assert caught.value.reason == "bad_model_dir"
+    wrong = tmp_path / "step_8"
+    shutil.copytree(tmp_path / "step_0", wrong)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(wrong / "model.safetensors"))
+    weights.pop(next(iter(weights)))
+    save_file(weights, str(wrong / "model.safetensors"))
+    assert engines(2) is not None  # refills the pool, so step 8 is loaded into an existing model
+    with pytest.raises(NodeError) as caught:
+        engines(8)
+    assert caught.value.reason == "bad_model_dir"
+    engine = engines(1)
+    assert engine is not None and engine.policy_step == 1

@@ -1,0 +1,198 @@
+"""Swarm vs local learning: does the networked loop keep the trainer as busy, and learn as much per step?
+
+For each seed, on this machine, one after the other (never at once, so neither steals the other's cores):
+1. the local trainer (`run-trainer --local`: inference in a child process, no network) runs the demo's
+   recipe (the run config `prime-node demo` writes: same model, group size, prompts per step, learning
+   rate, objective, async level, seed) for S steps;
+2. `prime-node demo --steps S --seed <seed>` runs the same recipe over the swarm: trainer, validator,
+   inferers (and the demo's cheating inferer unless --adversary none) as separate processes on
+   127.0.0.1, real libp2p, TOPLOC proofs, signed verdicts.
+Both start from the same model (the one the demo ships) and evaluate the same held-out tasks.
+
+Prints ONE JSON line:
+- ``steps_per_s_local``, ``steps_per_s_swarm``: steady-state trainer steps per second (from the end of
+  the first step to the last; start-up excluded), medians over seeds; ``steps_per_s_ratio`` = swarm /
+  local (goal >= 0.5);
+- ``gain_local_at_equal_steps``, ``gain_swarm``: held-out greedy accuracy after S steps minus before
+  (means over seeds); ``parity`` = mean swarm gain / mean local gain (goal >= 0.9), and per seed;
+- ``round_trip_s``: where one batch's round trip goes, seconds per batch, from the stage timers every
+  node reports in its status (inferer: generate, prove, sign, publish; validator: gossip delivery,
+  queue, policy wait, validate, verdict publish; trainer: rollout/verdict delivery, waiting for the
+  verdict, admission, queue, train), means over seeds;
+- ``swarm_wall_s``: the demo's whole wall time (start-up included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+STAGES = {
+    "inferer": ("rollouts", ("generate", "prove", "sign", "publish")),
+    "validator": ("validation", ("delivery", "queue", "policy_wait", "validate", "publish_verdict")),
+    "trainer": (
+        "training",
+        ("rollout_delivery", "await_verdict", "verdict_delivery", "admit", "queue", "train", "write_share"),
+    ),
+}
+
+
+def local_run(model_dir: Path, work: Path, steps: int, seed: int) -> dict[str, Any]:
+    from prime_node.config import RunConfig
+    from prime_node.demo.setup import demo_run_config
+    from prime_node.ml.local_run import run_local
+
+    data = demo_run_config(
+        model_dir=model_dir,
+        output_dir=work / f"local-{seed}",
+        trainer_address="0x" + "00" * 20,
+        validator_addresses=["0x" + "11" * 20],
+        steps=steps,
+        seed=seed,
+    )
+    data["torch_seed"] = seed
+    config = RunConfig.model_validate(data)
+    began = time.perf_counter()
+    result = run_local(config, model_dir=model_dir)
+    evals = [(e.step, e.accuracy) for e in result.evals]
+    return {
+        "steps_per_s": round(result.steps_per_s, 3),
+        "held_out": evals,
+        "gain": round(evals[-1][1] - evals[0][1], 4),
+        "wall_s": round(time.perf_counter() - began, 1),
+    }
+
+
+def swarm_run(model_dir: Path, work: Path, steps: int, seed: int, adversary: str) -> dict[str, Any]:
+    workdir = work / f"swarm-{seed}"
+    command = [
+        sys.executable,
+        "-m",
+        "prime_node",
+        "demo",
+        "--json",
+        "--no-tui",
+        "--steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--model",
+        str(model_dir),
+        "--adversary",
+        adversary,
+        "--workdir",
+        str(workdir),
+    ]
+    began = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"demo failed ({done.returncode}): {done.stderr[-2000:]}")
+    summary = json.loads(done.stdout)
+    snapshots = json.loads((workdir / "status.json").read_text())
+    trainer = snapshots["trainer"]["sections"]["training"]
+    held = summary["held_out"]
+    return {
+        "steps_per_s": trainer["steps_per_s"],
+        "held_out": held,
+        "gain": round(held[-1][1] - held[0][1], 4),
+        "wall_s": round(time.perf_counter() - began, 1),
+        "stale": summary["batches_rejected"].get("stale", 0)
+        + summary["batches_rejected"].get("stale_in_queue", 0),
+        "batches_trained": trainer.get("batches_trained"),
+        "adversary_accepted": summary.get("adversary_accepted"),
+        "round_trip_s": round_trip(snapshots),
+    }
+
+
+def round_trip(snapshots: dict[str, Any]) -> dict[str, float]:
+    """Mean seconds per batch for every stage, averaged over the nodes of each role that report it."""
+    found: dict[str, list[float]] = {}
+    for name, snapshot in snapshots.items():
+        if not snapshot or name == "adversary":
+            continue
+        role = "trainer" if name == "trainer" else name.split("-")[0]
+        section_name, wanted = STAGES.get(role, ("", ()))
+        sections = snapshot.get("sections", {})
+        stages: dict[str, Any] = dict(sections.get(section_name, {}).get("stages", {}))
+        if role == "trainer":  # admission reports its own stages inside the training section
+            stages.update(sections.get("training", {}).get("admission_stages", {}))
+        for stage in wanted:
+            if stage in stages and stages[stage]["count"]:
+                found.setdefault(stage, []).append(float(stages[stage]["mean_s"]))
+    return {stage: round(statistics.fmean(values), 4) for stage, values in found.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--adversary", default="forged_proof")
+    args = parser.parse_args()
+
+    from prime_node.demo.orchestrator import make_model
+
+    load_before = os.getloadavg()[0]
+    began = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="prime-node-swarm-learning-"))
+    model_dir = work / "model"
+    make_model(model_dir, lambda line: print(line, file=sys.stderr))
+    local: list[dict[str, Any]] = []
+    swarm: list[dict[str, Any]] = []
+    for seed in args.seeds:
+        local.append(local_run(model_dir, work, args.steps, seed))
+        print(f"seed {seed} local: {json.dumps(local[-1])}", file=sys.stderr)
+        swarm.append(swarm_run(model_dir, work, args.steps, seed, args.adversary))
+        print(f"seed {seed} swarm: {json.dumps(swarm[-1])}", file=sys.stderr)
+    local_rate = statistics.median(r["steps_per_s"] for r in local)
+    swarm_rate = statistics.median(r["steps_per_s"] for r in swarm)
+    gain_local = statistics.fmean(r["gain"] for r in local)
+    gain_swarm = statistics.fmean(r["gain"] for r in swarm)
+    stages = sorted({stage for r in swarm for stage in r["round_trip_s"]})
+    result = {
+        "benchmark": "swarm_learning",
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "steps_per_s_local": round(local_rate, 3),
+        "steps_per_s_swarm": round(swarm_rate, 3),
+        "steps_per_s_ratio": round(swarm_rate / local_rate, 3) if local_rate else None,
+        "gain_local_at_equal_steps": round(gain_local, 4),
+        "gain_swarm": round(gain_swarm, 4),
+        "parity": round(gain_swarm / gain_local, 3) if gain_local > 0 else None,
+        "parity_by_seed": [
+            round(s["gain"] / lo["gain"], 3) if lo["gain"] > 0 else None
+            for s, lo in zip(swarm, local, strict=True)
+        ],
+        "gain_local_by_seed": [r["gain"] for r in local],
+        "gain_swarm_by_seed": [r["gain"] for r in swarm],
+        "steps_per_s_local_by_seed": [r["steps_per_s"] for r in local],
+        "steps_per_s_swarm_by_seed": [r["steps_per_s"] for r in swarm],
+        "round_trip_s": {
+            stage: round(statistics.fmean(r["round_trip_s"].get(stage, 0.0) for r in swarm), 4)
+            for stage in stages
+        },
+        "swarm_stale_batches": [r["stale"] for r in swarm],
+        "swarm_wall_s": [r["wall_s"] for r in swarm],
+        "local_wall_s": [r["wall_s"] for r in local],
+        "adversary": args.adversary,
+        "adversary_accepted": [r["adversary_accepted"] for r in swarm],
+        "cores": os.cpu_count(),
+        "loadavg_before": round(load_before, 2),
+        "loadavg_after": round(os.getloadavg()[0], 2),
+        "total_s": round(time.perf_counter() - began, 1),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

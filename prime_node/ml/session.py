@@ -1,0 +1,245 @@
+"""One training session: the side effects around the pure GRPO step, written once (DESIGN §6, §10).
+
+nanoGPT's shape: the model and the loss (``grpo.py``, ``GRPOTrainer``) are tensor code; resume,
+durability, checkpoints and evaluation live in the loop around them. Both the --local run
+(``local_run.py``) and the networked trainer (``roles/trainer_service.py``) drive a
+``TrainingSession``, so the two agree by construction on every rule below instead of by review:
+
+- **Open.** Resume from the newest complete checkpoint in ``OUT/checkpoints`` (weights and AdamW
+  state), or start from the base model and write checkpoint 0 first. With torch.distributed every rank
+  looks before rank 0 writes, and only rank 0 writes files (rollout log, checkpoints, metrics).
+- **Step.** Admitted batches of one policy step are merged into one optimizer batch; their frames are
+  appended to ``OUT/rollouts.log`` and fsynced *before* the step trains on them; after the step the
+  new policy's checkpoint goes to a background writer and one line to ``OUT/metrics.jsonl``.
+- **Evaluate.** Held-out greedy accuracy on an engine of its own (loaded on first use), so the
+  networked trainer can evaluate one policy while it trains the next.
+
+What differs between the drivers stays with them: where batches come from, torch threads and device,
+whether logged batches are replayed (--local: ``logged_batches``; the networked trainer continues with
+fresh batches), and the policy directories the networked trainer shares.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prime_node.config import RunConfig
+from prime_node.errors import NodeError
+from prime_node.ml.checkpoint import (
+    list_checkpoints,
+    load_optimizer_state,
+    optimizer_snapshot,
+    prune_checkpoints,
+    save_checkpoint,
+    write_checkpoint,
+)
+from prime_node.ml.distributed import DistInfo
+from prime_node.ml.engine import TorchEngine
+from prime_node.ml.evaluation import greedy_accuracy
+from prime_node.ml.model import load_model
+from prime_node.ml.rollout_batch import with_tied_head
+from prime_node.ml.rollout_log import RolloutLog
+from prime_node.ml.tokenizer import load_tokenizer
+from prime_node.ml.trainer import GRPOTrainer, Prepared, StepMetrics, prepare
+from prime_node.tasks.factory import build_task
+from protocol.rollouts import RolloutBatch
+
+log = logging.getLogger(__name__)
+Weights = dict[str, torch.Tensor]
+
+
+def merge_prepared(parts: Sequence[Prepared]) -> Prepared:
+    """One optimizer batch from several admitted batches of the same policy step."""
+    if not parts or len({p.policy_step for p in parts}) != 1:
+        raise ValueError("merge needs batches of one policy step")
+    if len(parts) == 1:
+        return parts[0]
+    samples = sum(p.groups_kept + p.groups_dropped for p in parts)
+    merged = Prepared(parts[0].policy_step, [], [], [], 0.0, 0, 0)
+    for part in parts:
+        merged.sequences += part.sequences
+        merged.prompt_lengths += part.prompt_lengths
+        merged.advantages += part.advantages
+        merged.behaviour_logprobs += part.behaviour_logprobs
+        merged.groups_kept += part.groups_kept
+        merged.groups_dropped += part.groups_dropped
+        merged.reward_mean += part.reward_mean * (part.groups_kept + part.groups_dropped) / samples
+    return merged
+
+
+class CheckpointWriter:
+    """Writes step checkpoints from snapshots on a background thread, in order.
+
+    The training loop only pays for copying tensors; the files are written while the next step runs.
+    A kill may leave the newest checkpoint a step or two behind: every batch trained since is in the
+    rollout log (a --local restart replays them; a networked one continues from the checkpoint).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        base_dir: Path,
+        keep: int,
+        extra: dict[str, Any],
+        on_written: Callable[[int], None] | None = None,
+    ) -> None:
+        self._on_written = on_written
+        self._jobs: queue.Queue[tuple[int, Any, Any] | None] = queue.Queue()
+        self._root, self._base, self._keep, self._extra = root, base_dir, keep, extra
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        # torch's intra-op thread count is per OS thread (OpenMP); copying tensors needs no more than one.
+        torch.set_num_threads(1)
+        while (job := self._jobs.get()) is not None:
+            step, weights, optimizer_state = job
+            try:
+                write_checkpoint(self._root, step, weights, optimizer_state, self._base, self._extra)
+                if self._on_written is not None:
+                    self._on_written(step)
+                prune_checkpoints(self._root, self._keep)
+            except BaseException as exc:
+                self._error = exc
+                return
+
+    def submit(self, step: int, weights: Weights, optimizer: torch.optim.Optimizer) -> None:
+        if self._error is not None:
+            raise NodeError(f"writing a checkpoint failed: {self._error}", reason="checkpoint_failed")
+        self._jobs.put((step, weights, optimizer_snapshot(optimizer)))
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise NodeError(f"writing a checkpoint failed: {self._error}", reason="checkpoint_failed")
+
+
+class TrainingSession:
+    """The model, optimizer, rollout log, checkpoint writer and evaluation engine of one run (see the
+    module doc). One call at a time, except that ``evaluate`` given weights (taken with ``weights``
+    beforehand) may run in another thread beside ``train``: it has its own engine and tokenizer.
+
+    ``base``: the base model directory (architecture, tokenizer and the step-0 weights; never pruned).
+    ``device``: where the training model (and the evaluation engine) live.
+    """
+
+    def __init__(
+        self, config: RunConfig, *, base: Path, dist: DistInfo | None = None, device: str = "cpu"
+    ) -> None:
+        torch.manual_seed(config.torch_seed)
+        self.config, self.base, self.device = config, base, device
+        self.dist = dist or DistInfo()
+        self.checkpoint_root = config.output_dir / "checkpoints"
+        found = list_checkpoints(self.checkpoint_root)
+        if self.dist.world_size > 1:
+            self.dist.barrier()  # every rank has looked before rank 0 writes anything
+        self.start_step = found[-1].step if found else 0
+        self.source = found[-1].path if found else base
+        """Where the starting weights came from: the newest checkpoint, or the base model."""
+        self._oldest_kept = found[0].step if found else 0
+        self.model = load_model(self.source, device=device)
+        self.tokenizer = load_tokenizer(base)
+        self.task = build_task(config.task)
+        self.trainer = GRPOTrainer(
+            config,
+            self.model,
+            self.tokenizer,
+            checkpoint_root=self.checkpoint_root,
+            dist=self.dist,
+            step=self.start_step,
+        )
+        extra = {"run_id": config.run_id}
+        if found:
+            load_optimizer_state(self.trainer.optimizer, self.source / "optimizer.safetensors")
+            log.info("resuming from %s", self.source)
+        elif self.dist.is_main:
+            save_checkpoint(self.checkpoint_root, 0, self.model, self.trainer.optimizer, base, extra)
+        self.rollout_log: RolloutLog | None = None
+        self._writer: CheckpointWriter | None = None
+        if self.dist.is_main:
+            self.rollout_log = RolloutLog(config.output_dir / "rollouts.log")
+            self._writer = CheckpointWriter(self.checkpoint_root, base, config.checkpoints_to_keep, extra)
+        self.eval_ids = list(self.task.eval_ids())[: config.eval_tasks]
+        self._eval_engine: TorchEngine | None = None
+        self._eval_tokenizer: Any = None
+
+    @property
+    def step(self) -> int:
+        """The current policy: the number of optimizer steps taken."""
+        return self.trainer.step
+
+    def logged_batches(self) -> dict[int, RolloutBatch]:
+        """Logged batches for steps >= ``start_step`` (the --local run replays them), after dropping the
+        records every kept checkpoint already contains. Empty on ranks other than 0."""
+        if self.rollout_log is None:
+            return {}
+        self.rollout_log.compact(self._oldest_kept)  # older batches live on only in the weights
+        return self.rollout_log.batches_from(self.start_step)
+
+    def admit(self, batch: RolloutBatch, *, current_step: int | None = None) -> Prepared:
+        """``prepare`` with this run's task, tokenizer and config (RejectedBatchError if refused), for a
+        trainer at ``current_step`` (default: this session's step)."""
+        step = self.step if current_step is None else current_step
+        return prepare(batch, current_step=step, task=self.task, tokenizer=self.tokenizer, config=self.config)
+
+    def train(self, prepared: Sequence[Prepared], frames: Sequence[bytes] = ()) -> StepMetrics:
+        """One GRPO step on admitted batches of one policy step.
+
+        ``frames``: the batches' codec frames, appended (fsynced) to the rollout log before the step
+        trains on them; pass none for batches that are already logged (a replay).
+        """
+        merged = merge_prepared(prepared)
+        if self.rollout_log is not None:
+            for frame in frames:
+                self.rollout_log.append(self.step, frame)  # durable before any training on it
+        metrics = self.trainer.train_step(merged)
+        if self._writer is not None:
+            self._writer.submit(self.step, self.weights(self.step), self.trainer.optimizer)
+            with open(self.config.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(asdict(metrics)) + "\n")
+        return metrics
+
+    def weights(self, step: int) -> Weights:
+        """Policy ``step``'s weights (CPU tensors, tied head left out): recent ones from memory, older
+        ones from their checkpoint (NodeError ``missing_policy`` if pruned)."""
+        return self.trainer.history.get(step)
+
+    def evaluate(self, policy: int | Weights) -> float:
+        """Held-out greedy accuracy in [0, 1] of policy ``policy`` (a step or its weights) over the run's
+        ``eval_tasks`` held-out tasks, on the evaluation engine."""
+        weights = self.weights(policy) if isinstance(policy, int) else policy
+        if self._eval_engine is None:
+            self._eval_tokenizer = load_tokenizer(self.base)
+            self._eval_engine = TorchEngine(
+                load_model(self.base, device=self.device),
+                eos_token_id=self._eval_tokenizer.eos_token_id,
+                pad_token_id=self._eval_tokenizer.pad_token_id,
+            )
+        engine = self._eval_engine
+        engine.load_weights(with_tied_head(engine.model, weights), -1)
+        return float(
+            greedy_accuracy(
+                engine,
+                self._eval_tokenizer,
+                self.task,
+                self.eval_ids,
+                max_new_tokens=self.config.max_new_tokens,
+            )
+        )
+
+    def close(self) -> None:
+        """Wait for the checkpoints submitted so far (NodeError ``checkpoint_failed`` if one failed)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()

@@ -1,0 +1,136 @@
+"""Regenerate the demo's packaged model, ``prime_node/assets/tiny_arithmetic/``, or measure one.
+
+    .venv/bin/python scripts/make_demo_model.py                 # rewrite the asset (about 30-60 s)
+    .venv/bin/python scripts/make_demo_model.py --measure DIR   # held-out accuracy of a model directory
+
+The recipe: ``create_tiny_model(seed=0)`` (the ~130K-parameter Qwen2 config, character tokenizer), then
+``supervised_warmup`` on ``ArithmeticTask(2)`` (two-digit addition, answer least-significant digit first)
+for exactly 720 steps with its defaults otherwise (batch 64, AdamW lr 3e-3, training tasks only), on one
+torch thread. A fixed step count, not the warm-up's usual stop at a training-probe accuracy: the model's
+accuracy jumps in a sudden transition, and where the probe stop lands (580 steps at a 0.2 target, 740 at
+0.3 on the machine that made it) swings the held-out start between 0.15 and 0.30. 720 steps put it in the
+middle of the range the demo wants (about 0.2-0.3 held-out greedy accuracy: a start RL can improve on by
+well over +0.4).
+
+The held-out figure is the one the demo's trainer reports: greedy accuracy on the first 200 eval ids of
+``ArithmeticTask(2)`` with ``max_new_tokens = 5`` (the demo's run config). It is written, with the recipe,
+into ``prime_node_model.json`` next to the weights.
+
+Made on an AVX2 machine (torch 2.13.0 CPU, transformers 5.23, one thread): 720 steps in 27 s, training
+probe 0.28, held-out 0.265 on the demo's 200 tasks (0.292 on all 1,024); measuring the shipped weights
+with ``ATEN_CPU_CAPABILITY=default`` (scalar kernels) gives the same 0.265 / 0.292.
+
+The same recipe on another CPU trains a *different* model: floats reassociate, and the warm-up's sudden
+transition amplifies that. Rerun on the same machine with ``ATEN_CPU_CAPABILITY=default``, these 720
+steps ended at training probe 0.98 and held-out 0.935 (0.973 on all). That is why the weights are shipped
+rather than made on the spot. Rerunning this script reproduces the asset in spirit only; bit-exactly only
+on the same kind of CPU and software; check the held-out figure it prints before shipping a new one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+ASSET = REPO / "prime_node" / "assets" / "tiny_arithmetic"
+SEED = 0
+WARMUP_STEPS = 720
+DIGITS = 2
+EVAL_TASKS = 200  # the demo's run config: eval_tasks = 200
+MAX_NEW_TOKENS = 5  # the demo's run config: max_new_tokens = 5
+
+
+def heldout_accuracy(model: Any, tokenizer: Any, eval_tasks: int | None = EVAL_TASKS) -> float:
+    """Greedy accuracy on the first ``eval_tasks`` held-out ids (all of them for None), as the demo's
+    trainer measures it."""
+    from prime_node.ml.engine import TorchEngine
+    from prime_node.ml.evaluation import greedy_accuracy
+    from prime_node.tasks.arithmetic import ArithmeticTask
+
+    task = ArithmeticTask(DIGITS)
+    engine = TorchEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    ids = list(task.eval_ids())[:eval_tasks]
+    return float(greedy_accuracy(engine, tokenizer, task, ids, max_new_tokens=MAX_NEW_TOKENS))
+
+
+def measure(model_dir: Path) -> dict[str, Any]:
+    import torch
+
+    from prime_node.ml.model import load_model
+    from prime_node.ml.tokenizer import load_tokenizer
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+    return {
+        "model_dir": str(model_dir),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "heldout_accuracy": heldout_accuracy(model, tokenizer),
+        "heldout_accuracy_all": heldout_accuracy(model, tokenizer, None),
+    }
+
+
+def make(out_dir: Path) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from prime_node.assets import INFO_FILE
+    from prime_node.ml.model import create_tiny_model, parameter_count, save_model_dir
+    from prime_node.ml.warmup import supervised_warmup
+    from prime_node.tasks.arithmetic import ArithmeticTask
+
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    model, tokenizer = create_tiny_model(SEED)
+    task = ArithmeticTask(DIGITS)
+    # target_accuracy = inf: never stop early, train exactly WARMUP_STEPS steps.
+    warmup = supervised_warmup(
+        model, tokenizer, task, target_accuracy=math.inf, max_steps=WARMUP_STEPS, seed=SEED
+    )
+    seconds = time.monotonic() - started
+    info: dict[str, Any] = {
+        "made_by": "scripts/make_demo_model.py",
+        "seed": SEED,
+        "task": task.name,
+        "parameters": parameter_count(model),
+        "warmup_steps": warmup.steps,
+        "warmup_final_loss": round(warmup.final_loss, 4),
+        "warmup_probe_accuracy": warmup.probe_accuracy,
+        "warmup_seconds": round(seconds, 1),
+        "heldout_tasks": EVAL_TASKS,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "heldout_accuracy": heldout_accuracy(model, tokenizer),
+        "heldout_accuracy_all": heldout_accuracy(model, tokenizer, None),
+        "heldout_tasks_all": len(task.eval_ids()),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": 1,
+    }
+    if out_dir.exists():
+        for stale in out_dir.iterdir():
+            if stale.is_file():
+                stale.unlink()
+    save_model_dir(model, tokenizer, out_dir)
+    (out_dir / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=ASSET, help="directory to (re)write")
+    parser.add_argument("--measure", type=Path, help="only measure the held-out accuracy of this model dir")
+    args = parser.parse_args(argv)
+    result = measure(args.measure) if args.measure is not None else make(args.out)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main(sys.argv[1:]))
