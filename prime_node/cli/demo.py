@@ -30,7 +30,7 @@ def demo(
             "'random', or 'none'.",
         ),
     ] = "forged_proof",
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Trainer steps before the demo ends.")] = 250,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Trainer steps before the demo ends.")] = 300,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="Progress lines, no live view.")] = False,
     as_json: JsonOption = False,
     workdir: Annotated[
@@ -44,12 +44,12 @@ def demo(
     keep: Annotated[bool, typer.Option("--keep", help="Keep the temporary workdir afterwards.")] = False,
     model: Annotated[
         Path | None,
-        typer.Option("--model", file_okay=False, help="Start from this model directory (skips the warm-up)."),
+        typer.Option("--model", file_okay=False, help="Start from this model directory instead of the packaged one."),
     ] = None,
     timeout: Annotated[
         float, typer.Option("--timeout", min=10, help="Give up (and stop everything) after this many s.")
     ] = 1200.0,
-    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of model, run, attack pick.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Run seed (task schedule, sampling), attack pick.")] = 0,
 ) -> None:
     """Start a whole swarm on this machine and train a tiny model until its held-out reward rises."""
     from prime_node.demo.orchestrator import DemoOptions, DemoStopped, run_demo

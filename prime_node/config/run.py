@@ -103,7 +103,7 @@ class RunConfig(_Strict):
     """Weight of the KL penalty (k3 estimator) toward the initial model; 0 disables it."""
     entropy_coef: float = Field(0.0, ge=0)
     """Weight of the entropy bonus; 0 disables it."""
-    objective: Literal["recompute", "behaviour", "decoupled", "masked_is"] = "recompute"
+    objective: Literal["recompute", "behaviour", "decoupled", "masked_is"] = "behaviour"
     """Off-policy correction of stale rollouts (docs/rl.md, *Off-policy correction*, where the
     benchmarks/offpolicy.py ablation picks the default): "recompute" clips around the generating
     policy's log-probs recomputed by the trainer (an extra forward pass and a copy of the model);

@@ -52,7 +52,7 @@ class DemoOptions:
     inferers: int = 2
     validators: int = 1
     adversary: str | None = None
-    steps: int = 250
+    steps: int = 300
     tui: bool = True
     workdir: Path | None = None
     keep: bool = False

@@ -118,8 +118,9 @@ def demo_run_config(
         "max_new_tokens": 5,
         "temperature": 0.7,
         "max_steps": steps,
-        "learning_rate": 1e-3,
-        "async_level": 4,  # at 2, ~25-40% of validated batches arrived too stale to train on; at 4, ~16%
+        "learning_rate": 5e-4,
+        "async_level": 4,
+        "objective": "behaviour",
         "seed": seed,
         "threads": 1,
         "eval_every": max(1, steps // 4),

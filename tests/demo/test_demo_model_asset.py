@@ -2,7 +2,7 @@
 good as ``scripts/make_demo_model.py`` recorded when it made it.
 
 Greedy decoding of one fixed model barely depends on the CPU's kernels: measured on the AVX2 machine
-that made it, 0.265 on the 200 held-out tasks natively and with ``ATEN_CPU_CAPABILITY=default`` (scalar
+that made it, 0.27 on the 200 held-out tasks natively and with ``ATEN_CPU_CAPABILITY=default`` (scalar
 kernels) alike. The ±0.05 margin (10 of 200 tasks) leaves room for another CPU flipping a few argmax ties.
 """
 
