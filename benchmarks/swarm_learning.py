@@ -61,7 +61,6 @@ def local_run(model_dir: Path, work: Path, steps: int, seed: int) -> dict[str, A
         steps=steps,
         seed=seed,
     )
-    data["torch_seed"] = seed
     config = RunConfig.model_validate(data)
     began = time.perf_counter()
     result = run_local(config, model_dir=model_dir)
@@ -116,7 +115,7 @@ def swarm_run(model_dir: Path, work: Path, steps: int, seed: int, adversary: str
 
 
 def round_trip(snapshots: dict[str, Any]) -> dict[str, float]:
-    """Mean seconds per batch for every stage, averaged over the nodes of each role that report it."""
+    """Mean seconds per batch for every stage as ``role.stage``, averaged over the nodes of each role."""
     found: dict[str, list[float]] = {}
     for name, snapshot in snapshots.items():
         if not snapshot or name == "adversary":
@@ -129,13 +128,13 @@ def round_trip(snapshots: dict[str, Any]) -> dict[str, float]:
             stages.update(sections.get("training", {}).get("admission_stages", {}))
         for stage in wanted:
             if stage in stages and stages[stage]["count"]:
-                found.setdefault(stage, []).append(float(stages[stage]["mean_s"]))
+                found.setdefault(f"{role}.{stage}", []).append(float(stages[stage]["mean_s"]))
     return {stage: round(statistics.fmean(values), 4) for stage, values in found.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300, help="trainer steps (the demo's default)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--adversary", default="forged_proof")
     args = parser.parse_args()
@@ -181,6 +180,7 @@ def main() -> None:
             stage: round(statistics.fmean(r["round_trip_s"].get(stage, 0.0) for r in swarm), 4)
             for stage in stages
         },
+        "round_trip_order": [f"{role}.{stage}" for role, (_, names) in STAGES.items() for stage in names],
         "swarm_stale_batches": [r["stale"] for r in swarm],
         "swarm_wall_s": [r["wall_s"] for r in swarm],
         "local_wall_s": [r["wall_s"] for r in local],

@@ -227,9 +227,7 @@ class Handshake:
         except CryptoError as exc:
             raise RemoteProtocolError(f"handshake signature invalid: {exc}", reason="bad_signature") from exc
         if recovered != auth.signer:
-            raise RemoteProtocolError(
-                f"handshake signature is not {auth.signer}'s", reason="bad_signature"
-            )
+            raise RemoteProtocolError(f"handshake signature is not {auth.signer}'s", reason="bad_signature")
         out: list[bytes] = []
         if self.role is Role.DIALER:
             own = Auth(me, self._wallet.sign_digest(dialer_auth_digest(self._transcript, listener, me)))

@@ -44,12 +44,16 @@ def demo(
     keep: Annotated[bool, typer.Option("--keep", help="Keep the temporary workdir afterwards.")] = False,
     model: Annotated[
         Path | None,
-        typer.Option("--model", file_okay=False, help="Start from this model directory instead of the packaged one."),
+        typer.Option(
+            "--model", file_okay=False, help="Start from this model directory instead of the packaged one."
+        ),
     ] = None,
     timeout: Annotated[
         float, typer.Option("--timeout", min=10, help="Give up (and stop everything) after this many s.")
     ] = 1200.0,
-    seed: Annotated[int, typer.Option("--seed", min=0, help="Run seed (task schedule, sampling), attack pick.")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", min=0, help="Run seed (task schedule, sampling), attack pick.")
+    ] = 0,
 ) -> None:
     """Start a whole swarm on this machine and train a tiny model until its held-out reward rises."""
     from prime_node.demo.orchestrator import DemoOptions, DemoStopped, run_demo

@@ -110,8 +110,9 @@ class RunConfig(_Strict):
     "behaviour" clips the same way around the inferer's verified behaviour log-probs mu (no extra
     forward pass: the ratio pi / mu is a truncated importance weight); "decoupled" clips around the
     trainer's current weights and multiplies each token by the truncated importance weight
-    min(pi_prox / mu, is_cap) from mu; "masked_is" weighs each token by pi / mu, drops the policy gradient of tokens whose
-    ratio leaves [is_mask_low, is_mask_high] and adds is_kl_coef * (log pi/mu)^2."""
+    min(pi_prox / mu, is_cap) from mu; "masked_is" weighs each token by pi / mu, drops the policy
+    gradient of tokens whose ratio leaves [is_mask_low, is_mask_high] and adds
+    is_kl_coef * (log pi/mu)^2."""
     is_cap: float = Field(2.0, ge=1, le=1000)
     """decoupled: cap of the truncated importance weight pi_prox / mu (bounds the variance a very stale
     or unlucky token can add)."""

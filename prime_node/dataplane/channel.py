@@ -178,9 +178,7 @@ async def _refuse(stream: trio.SocketStream, reason: str, text: str) -> ChannelE
     return ChannelError(text, reason=reason)
 
 
-def _new_handshake(
-    role: Role, wallet: WalletKey, context: str, expected_peer: Address | None
-) -> Handshake:
+def _new_handshake(role: Role, wallet: WalletKey, context: str, expected_peer: Address | None) -> Handshake:
     ephemeral = WalletKey.generate()  # a fresh in-range secp256k1 secret, used for this connection only
     assert len(ephemeral.secret) == SECRET_SIZE
     return Handshake(

@@ -10,8 +10,8 @@ batch's total completion tokens, all-reduces gradients across torch.distributed 
 strided shard of the samples), clips the global gradient norm and applies AdamW. How a stale batch is
 corrected follows ``config.objective`` (see ``prime_node.ml.grpo``): "recompute" recomputes the old
 log-probs itself under the policy version that generated the batch (kept in memory, or read back from
-its checkpoint); "decoupled" and "masked_is" use the behaviour log-probs the sampler put in every
-sample (checked by validators in networked runs) and need no old model.
+its checkpoint); "behaviour" (the default), "decoupled" and "masked_is" use the behaviour log-probs
+the sampler put in every sample (checked by validators in networked runs) and need no old model.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class InfererService:
         run_config: RunConfig,
         swarm: PolicySource,
         adversary: str | None = None,
-        batches_per_policy: int = 2,
+        batches_per_policy: int = 1,
         policy_wait_s: float = 2.0,
         subscribe: bool = True,
         max_in_flight: int = 2,

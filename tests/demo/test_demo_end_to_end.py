@@ -15,9 +15,13 @@ import pytest
 from prime_node.testing.adversary import EXPECTED_REASONS
 
 ATTACK = "forged_proof"
-# Short but honest: in the first ~60 steps held-out accuracy can dip below its start (measured: 0.23 ->
-# 0.19 after 30 steps); by ~120 steps every measured run had gained 0.14-0.24 (docs/quickstart.md).
-STEPS = 120
+# The demo exactly as a user runs it (its defaults: 300 steps, 2 inferers, 1 validator, this adversary),
+# so the 10 recorded runs in docs/quickstart.md (seeds 0-4, native and ATEN_CPU_CAPABILITY=default
+# kernels) are this test's evidence: gains +0.304 to +0.469 (median +0.401, standard deviation ~0.05) on
+# all 1,024 held-out sums. The threshold sits 0.15 below the worst of them, about 5 standard deviations
+# below the median: a demo that stops learning fails it, a slow trajectory does not.
+GAIN_THRESHOLD = 0.15
+STEPS = 300
 
 
 def _gone(pid: int) -> bool:
@@ -34,8 +38,7 @@ def test_a_short_demo_learns_and_refuses_every_adversary_batch(tmp_path: Path) -
     result = subprocess.run(
         [
             *(sys.executable, "-m", "prime_node", "demo"),
-            *("--steps", str(STEPS), "--inferers", "1", "--validators", "1", "--adversary", ATTACK),
-            *("--no-tui", "--json", "--workdir", str(workdir), "--timeout", "540"),
+            *("--adversary", ATTACK, "--no-tui", "--json", "--workdir", str(workdir), "--timeout", "540"),
         ],
         capture_output=True,
         text=True,
@@ -48,7 +51,7 @@ def test_a_short_demo_learns_and_refuses_every_adversary_batch(tmp_path: Path) -
     assert summary["steps"] >= STEPS
     # Learning: the held-out greedy accuracy (200 tasks, never trained on) at the last step beats step 0.
     assert summary["held_out"][0][0] == 0 and summary["held_out"][-1][0] >= STEPS
-    assert summary["reward_end"] >= summary["reward_start"] + 0.1, summary["held_out"]
+    assert summary["reward_end"] >= summary["reward_start"] + GAIN_THRESHOLD, summary["held_out"]
     assert summary["batches_accepted"] >= STEPS and summary["checkpoints_shared"] >= STEPS
     # The cheater: its batches were refused by the validator for what it did, and none was trained on.
     assert summary["adversary_accepted"] == 0
@@ -58,7 +61,7 @@ def test_a_short_demo_learns_and_refuses_every_adversary_batch(tmp_path: Path) -
     assert summary["accepted_by_worker"]["inferer-1"] > 0
     # Every process the demo started is gone.
     pids = [process["pid"] for process in summary["processes"]]
-    assert len(pids) == 4 and all(_gone(pid) for pid in pids)
+    assert len(pids) == 5 and all(_gone(pid) for pid in pids)
     assert all(process["exit"] is not None for process in summary["processes"])
 
 

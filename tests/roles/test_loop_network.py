@@ -30,18 +30,12 @@ RUN_ID = "looptest"
 
 @pytest.fixture(scope="module")
 def warm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model after a short supervised warm-up, so sampled rewards differ within groups."""
-    import torch
+    """The demo's packaged warmed-up tiny model, so sampled rewards differ within groups. Packaged, not
+    warmed up here: the same seeded warm-up lands on a different model on another CPU."""
+    from prime_node.assets import copy_demo_model
 
-    from prime_node.ml.model import create_tiny_model, save_model_dir
-    from prime_node.ml.warmup import supervised_warmup
-    from prime_node.tasks.arithmetic import ArithmeticTask
-
-    torch.set_num_threads(1)
-    model, tokenizer = create_tiny_model(seed=0)
-    supervised_warmup(model, tokenizer, ArithmeticTask(2), target_accuracy=0.1, max_steps=300)
-    out = tmp_path_factory.mktemp("warm")
-    save_model_dir(model, tokenizer, out)
+    out = tmp_path_factory.mktemp("warm") / "model"
+    copy_demo_model(out)
     return out
 
 

@@ -40,8 +40,15 @@ def chunks_of(activations: torch.Tensor) -> list[np.ndarray]:
 
 def main() -> None:
     generator = torch.Generator().manual_seed(0)
-    stats: dict[str, int] = {"points_cases": 0, "points_equal": 0, "build_cases": 0, "same_topk_set": 0,
-                             "build_equal_when_same_set": 0, "verify_cases": 0, "verify_equal": 0}
+    stats: dict[str, int] = {
+        "points_cases": 0,
+        "points_equal": 0,
+        "build_cases": 0,
+        "same_topk_set": 0,
+        "build_equal_when_same_set": 0,
+        "verify_cases": 0,
+        "verify_equal": 0,
+    }
     moduli_seen: set[int] = set()
     # (1) Encoding of identical points, including index ranges that force moduli below 65497.
     rng = np.random.default_rng(1)
@@ -82,7 +89,10 @@ def main() -> None:
                         continue  # the two validators look at different indices (a tie at the 128th)
                     stats["verify_cases"] += 1
                     stats["verify_equal"] += (t.exp_mismatches, t.mant_err_mean, t.mant_err_median) == (
-                        c.exp_mismatches, c.mant_err_mean, c.mant_err_median)
+                        c.exp_mismatches,
+                        c.mant_err_mean,
+                        c.mant_err_median,
+                    )
     print(json.dumps({**stats, "moduli_seen": sorted(moduli_seen)[:5], "toploc_version": toploc.__version__}))
 
 

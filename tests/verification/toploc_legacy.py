@@ -418,6 +418,7 @@ def _group_by_length(chunks: Sequence[UInt16Array]) -> dict[int, list[int]]:
 
 # ---- prime_node/verification/proofs.py (torch side) ----
 
+
 def bf16_bits(hidden: torch.Tensor) -> np.ndarray:
     """uint16 [n, hidden]: the bf16 bit patterns of a float hidden-state matrix."""
     import torch
@@ -467,5 +468,3 @@ def check_proofs(hiddens: Sequence[torch.Tensor], blobs: Sequence[bytes]) -> lis
         out.append(checks[start : start + len(chunks)])
         start += len(chunks)
     return out
-
-
