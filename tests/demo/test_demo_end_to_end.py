@@ -15,13 +15,16 @@ import pytest
 from prime_node.testing.adversary import EXPECTED_REASONS
 
 ATTACK = "forged_proof"
-# The demo exactly as a user runs it (its defaults: 300 steps, 2 inferers, 1 validator, this adversary),
-# so the 10 recorded runs in docs/quickstart.md (seeds 0-4, native and ATEN_CPU_CAPABILITY=default
-# kernels) are this test's evidence: gains +0.304 to +0.469 (median +0.401, standard deviation ~0.05) on
-# all 1,024 held-out sums. The threshold sits 0.15 below the worst of them, about 5 standard deviations
-# below the median: a demo that stops learning fails it, a slow trajectory does not.
+# The demo's recipe, shortened: 120 steps with 1 inferer. (With the full default demo here, 300 steps and 2
+# inferers, the Ctrl-C and signal tests that follow timed out in the full suite, on both kernel sets, while
+# passing alone; suspected: disk writeback of its ~2.5x more fsynced checkpoints. Not confirmed.)
+# Evidence for the threshold: in all 10 recorded default runs
+# (docs/quickstart.md: seeds 0-4, native and ATEN_CPU_CAPABILITY=default kernels, held-out accuracy on all
+# 1,024 held-out sums) the gain was +0.27 to +0.38 by step 75 and +0.31 to +0.41 by step 150; per-step
+# learning does not depend on the number of inferers (benchmarks/swarm_learning.py: swarm/local parity
+# 0.98). The threshold sits 0.12 below the worst of those at step 75.
 GAIN_THRESHOLD = 0.15
-STEPS = 300
+STEPS = 120
 
 
 def _gone(pid: int) -> bool:
@@ -38,7 +41,8 @@ def test_a_short_demo_learns_and_refuses_every_adversary_batch(tmp_path: Path) -
     result = subprocess.run(
         [
             *(sys.executable, "-m", "prime_node", "demo"),
-            *("--adversary", ATTACK, "--no-tui", "--json", "--workdir", str(workdir), "--timeout", "540"),
+            *("--steps", str(STEPS), "--inferers", "1", "--validators", "1", "--adversary", ATTACK),
+            *("--no-tui", "--json", "--workdir", str(workdir), "--timeout", "540"),
         ],
         capture_output=True,
         text=True,
@@ -61,7 +65,7 @@ def test_a_short_demo_learns_and_refuses_every_adversary_batch(tmp_path: Path) -
     assert summary["accepted_by_worker"]["inferer-1"] > 0
     # Every process the demo started is gone.
     pids = [process["pid"] for process in summary["processes"]]
-    assert len(pids) == 5 and all(_gone(pid) for pid in pids)
+    assert len(pids) == 4 and all(_gone(pid) for pid in pids)
     assert all(process["exit"] is not None for process in summary["processes"])
 
 
