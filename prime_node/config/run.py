@@ -87,6 +87,13 @@ class RunConfig(_Strict):
 
     learning_rate: float = Field(5e-4, gt=0, le=1)
     """AdamW learning rate."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """How the learning rate changes over ``max_steps`` (prime_node/ml/lr_schedule.py): "constant", or a
+    "linear" / "cosine" decay to ``learning_rate * lr_min_ratio`` at ``max_steps``."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up to ``learning_rate`` before the schedule starts."""
+    lr_min_ratio: float = Field(0.0, ge=0, le=1)
+    """Where a decaying schedule ends, as a fraction of ``learning_rate``."""
     weight_decay: float = Field(0.0, ge=0, le=1)
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.99)

@@ -87,12 +87,17 @@ def child_env() -> dict[str, str]:
 
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[None]:
-    """Turn SIGTERM/SIGHUP into ``DemoStopped`` for the duration (SIGINT already raises)."""
+    """Turn SIGTERM/SIGHUP into ``DemoStopped`` and SIGINT into ``KeyboardInterrupt`` for the duration.
+
+    SIGINT is set explicitly: a shell without job control starts background commands (``demo &`` in a
+    script, a CI step) with SIGINT ignored, and Python then keeps it ignored, so ``kill -INT`` would
+    leave the whole swarm running."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise DemoStopped(signum)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:

@@ -38,6 +38,7 @@ from prime_node.ml.checkpoint import (
 from prime_node.ml.distributed import DistInfo
 from prime_node.ml.evaluation import completion_text, encode_prompt
 from prime_node.ml.grpo import group_advantages, grpo_loss
+from prime_node.ml.lr_schedule import learning_rate_at
 from prime_node.tasks.base import TaskSource, length_bonus
 from protocol.rollouts import RolloutBatch
 
@@ -85,6 +86,8 @@ class StepMetrics:
     is_fraction: float = 0.0
     """Share of completion tokens whose importance weight hit ``is_cap`` (decoupled) or that the
     ratio band masked (masked_is); 0 for recompute."""
+    learning_rate: float = 0.0
+    """The rate this step's update used (``lr_schedule``)."""
 
 
 def batch_rewards(batch: RolloutBatch, task: TaskSource, tokenizer: Any, config: RunConfig) -> list[float]:
@@ -267,6 +270,14 @@ class GRPOTrainer:
         normalizer = float(prepared.completion_tokens)
         grad_norm = 0.0
         staleness = self.step - prepared.policy_step
+        learning_rate = learning_rate_at(
+            self.step,
+            base=cfg.learning_rate,
+            schedule=cfg.lr_schedule,
+            total_steps=cfg.max_steps,
+            warmup_steps=cfg.lr_warmup_steps,
+            min_ratio=cfg.lr_min_ratio,
+        )
         uses_behaviour = cfg.objective != "recompute"
         if uses_behaviour and len(prepared.behaviour_logprobs) != len(prepared.sequences):
             raise NodeError(
@@ -336,6 +347,8 @@ class GRPOTrainer:
         if prepared.sequences:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
             if math.isfinite(grad_norm):
+                for group in self.optimizer.param_groups:
+                    group["lr"] = learning_rate
                 self.optimizer.step()
             else:
                 log.warning("step %d: non-finite gradient norm, update skipped", self.step)
@@ -354,6 +367,7 @@ class GRPOTrainer:
             grad_norm=grad_norm,
             staleness=staleness,
             is_fraction=totals["is"],
+            learning_rate=learning_rate,
         )
 
 

@@ -118,11 +118,22 @@ def _children_of_demo(workdir: Path, count: int, demo: subprocess.Popen[str]) ->
     raise AssertionError("the demo's nodes did not all come up")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("signum", "started_with_sigint_ignored"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["sigint", "sigterm", "sigint-as-a-background-job"],
+)
 def test_signalling_the_demo_stops_every_process_it_started(
-    tmp_path: Path, tiny_model_dir: Path, signum: int
+    tmp_path: Path, tiny_model_dir: Path, signum: int, started_with_sigint_ignored: bool
 ) -> None:
-    """The real orchestrator (stand-in nodes: plain joiners) as its own process, signalled like Ctrl-C."""
+    """The real orchestrator (stand-in nodes: plain joiners) as its own process, signalled like Ctrl-C.
+
+    A shell without job control starts background commands with SIGINT ignored (and so does pytest's
+    own process when it runs as one): the demo must stop on SIGINT all the same."""
     workdir = tmp_path / "demo"
     demo = subprocess.Popen(
         [sys.executable, "-m", "tests.demo.standin", str(workdir), str(tiny_model_dir)],
@@ -131,6 +142,7 @@ def test_signalling_the_demo_stops_every_process_it_started(
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PRIME_NODE_DEMO_LOG_LEVEL": "warning"},
+        preexec_fn=_ignore_sigint if started_with_sigint_ignored else None,  # noqa: PLW1509 (no threads)
     )
     pids: list[int] = []
     try:
