@@ -48,10 +48,10 @@ def main() -> None:
 
     from prime_node.config import RunConfig
     from prime_node.ml.checkpoint import list_checkpoints
-    from prime_node.ml.engine import TorchEngine
+    from prime_node.ml.engines import load_engine
     from prime_node.ml.evaluation import greedy_accuracy
     from prime_node.ml.local_run import run_local
-    from prime_node.ml.model import create_tiny_model, load_model, save_model_dir
+    from prime_node.ml.model import create_tiny_model, save_model_dir
     from prime_node.ml.tokenizer import load_tokenizer
     from prime_node.ml.warmup import supervised_warmup
     from prime_node.tasks.arithmetic import ArithmeticTask
@@ -64,7 +64,7 @@ def main() -> None:
 
     def heldout(path: Path) -> float:
         tok = load_tokenizer(path)
-        engine = TorchEngine(load_model(path), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        engine = load_engine(path, tok)
         return greedy_accuracy(engine, tok, task, task.eval_ids(), max_new_tokens=5)
 
     before: list[float] = []

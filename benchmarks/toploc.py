@@ -33,13 +33,13 @@ import torch
 from crypto import toploc
 from crypto.toploc import REFERENCE_THRESHOLDS
 from prime_node.ml.engine import SamplingParams, TorchEngine
+from prime_node.ml.engines import DEFAULT_ENGINE, engine_spec, setup_engine
 from prime_node.ml.model import TinySpec, create_tiny_model, parameter_count
-from prime_node.verification.proofs import (
-    ENGINE_THRESHOLDS,
-    build_proofs,
-    check_proofs,
-    proof_failure,
-)
+from prime_node.verification.proofs import build_proofs, check_proofs, proof_failure
+
+# The engine this benchmark calibrates, and the thresholds currently recorded for it.
+ENGINE = engine_spec(DEFAULT_ENGINE)
+ENGINE_THRESHOLDS = ENGINE.toploc_thresholds()
 
 SIZES = {
     "tiny": TinySpec(),  # ~0.12M parameters, hidden 64
@@ -48,7 +48,7 @@ SIZES = {
 
 
 def engine_for(model: Any, tokenizer: Any) -> TorchEngine:
-    return TorchEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return setup_engine(model, tokenizer, engine=ENGINE.family)
 
 
 def prompts_for(tokenizer: Any, count: int, rng: np.random.Generator) -> list[list[int]]:
@@ -90,7 +90,7 @@ def summarize(checks: list[Any]) -> dict[str, Any]:
 
 
 def rejected_fraction(checks: list[list[Any]]) -> float:
-    return sum(proof_failure(per) is not None for per in checks) / len(checks)
+    return sum(proof_failure(per, ENGINE_THRESHOLDS) is not None for per in checks) / len(checks)
 
 
 def run_size(name: str, spec: TinySpec, prompts_n: int, tokens: int) -> dict[str, Any]:
@@ -180,7 +180,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="tiny,small")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    out: dict[str, Any] = {"benchmark": "toploc", "thresholds": ENGINE_THRESHOLDS.__dict__}
+    out: dict[str, Any] = {
+        "benchmark": "toploc",
+        "engine": {"family": ENGINE.family, "dtype": ENGINE.dtype},
+        "thresholds": ENGINE_THRESHOLDS.__dict__,
+    }
     for name in args.sizes.split(","):
         out.update(run_size(name, SIZES[name], args.prompts, args.tokens))
     print(json.dumps(out))

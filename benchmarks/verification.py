@@ -1,6 +1,6 @@
 """The validator against cheaters and honest workers, on real tiny models. Prints ONE JSON line.
 
-* ``rejected_by_attack``: per attack class of prime_node.testing.adversary, the fraction of attempts
+* ``rejected_by_attack``: per attack class of prime_node.verification.cheating, the fraction of attempts
   rejected *with one of the reasons that identify that attack* (goal 1.0);
 * ``false_reject_rate``: rejected honest batches / honest batches (goal ≤ 0.001 over ≥ 1,000);
 * ``proof_overhead``: proof-building time / generation time for the same completions (goal ≤ 0.02);
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from crypto import toploc
-from prime_node.testing.adversary import ATTACKS, EXPECTED_REASONS, build_scenario, validator_for
+from prime_node.testing.adversary import build_scenario, validator_for
+from prime_node.verification.cheating import ATTACKS, EXPECTED_REASONS
 from prime_node.verification.proofs import build_proofs
 from prime_node.verification.validator import CheckPolicy
 

@@ -6,7 +6,6 @@ libp2p identity (see identity.py).
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -15,6 +14,7 @@ import coincurve
 
 from crypto.digests import keccak256
 from crypto.errors import CryptoError
+from crypto.randomness import random_bytes
 
 SECRET_SIZE = 32
 ADDRESS_SIZE = 20
@@ -86,7 +86,7 @@ class WalletKey:
     @classmethod
     def generate(cls) -> WalletKey:
         while True:  # a 32-byte draw falls outside [1, n) with probability ~2^-128
-            secret = os.urandom(SECRET_SIZE)
+            secret = random_bytes(SECRET_SIZE)
             if 0 < int.from_bytes(secret, "big") < SECP256K1_ORDER:
                 return cls(secret)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from Crypto.Util import Counter
 from crypto.digests import keccak256
 from crypto.errors import CryptoError, KeystoreError, WrongPasswordError
 from crypto.keys import Address, WalletKey
+from crypto.randomness import random_bytes
 
 MAX_DOCUMENT_BYTES = 64 * 1024
 # Ceilings on what a keystore may ask of us: 1 GiB of scrypt memory, 10 M pbkdf2 rounds.
@@ -86,13 +86,13 @@ def encrypt_keystore(
     key_id: str | None = None,
 ) -> dict[str, Any]:
     """A keystore v3 document (a JSON-ready dict) holding ``key`` under ``password``."""
-    salt = os.urandom(32) if salt is None else salt
-    iv = os.urandom(16) if iv is None else iv
+    salt = random_bytes(32) if salt is None else salt
+    iv = random_bytes(16) if iv is None else iv
     derived = _scrypt(password.encode("utf-8"), salt, scrypt, 32)
     ciphertext = _aes_128_ctr(derived[:16], iv, key.secret)
     return {
         "version": 3,
-        "id": key_id or str(uuid.uuid4()),
+        "id": key_id or str(uuid.UUID(bytes=random_bytes(16), version=4)),
         "address": key.address.raw.hex(),
         "crypto": {
             "cipher": "aes-128-ctr",

@@ -6,14 +6,12 @@ Importing this module pulls in pydantic only (no libp2p, no trio).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Role = Literal["auto", "inferer", "validator", "seeder"]
-_RUN_ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+from protocol.names import NAME_RULE, is_valid_name
+from protocol.roles import TRAINER, RoleSetting
 
 
 class NodeConfig(BaseModel):
@@ -37,7 +35,11 @@ class NodeConfig(BaseModel):
     api_port: int = Field(
         default=0, ge=0, le=65535, description="Status API port on 127.0.0.1; 0 = any free port."
     )
-    role: Role = Field(default="auto", description="auto lets the node choose; the others pin the role.")
+    role: RoleSetting = Field(
+        default="auto",
+        description="auto lets the node choose; inferer, validator or seeder pin the role (the trainer "
+        "runs with `prime-node run-trainer`).",
+    )
     run_id: str = Field(default="demo", description="The run to join: scopes gossip topics and the DHT key.")
     heartbeat_interval: float = Field(
         default=2.0, gt=0, le=300, description="Seconds between signed heartbeats."
@@ -58,10 +60,21 @@ class NodeConfig(BaseModel):
         default=5.0, gt=0, description="Longest pause between DHT provider lookups."
     )
 
+    @field_validator("role")
+    @classmethod
+    def _role_is_a_pin(cls, role: RoleSetting) -> RoleSetting:
+        """The trainer is whoever holds the run's key and runs ``prime-node run-trainer``; a node built
+        from flags or a file cannot pin it (that command's own copy is made with ``model_copy``)."""
+        if role == TRAINER:
+            raise ValueError(
+                "the trainer runs with `prime-node run-trainer`; pin auto, inferer, validator or seeder"
+            )
+        return role
+
     @model_validator(mode="after")
     def _check(self) -> NodeConfig:
-        if not _RUN_ID.match(self.run_id):
-            raise ValueError("run id must be 1-64 of [a-z0-9._-], starting alphanumeric")
+        if not is_valid_name(self.run_id):
+            raise ValueError(f"run id {NAME_RULE}")
         if self.dead_window <= self.unhealthy_window:
             raise ValueError("dead_after must be longer than unhealthy_after")
         return self

@@ -23,6 +23,7 @@ from crypto.keystore import (
     keystore_address,
     parse_keystore_document,
 )
+from prime_node.atomic_files import fsync_directory, temporary_sibling
 from prime_node.errors import NodeError
 from prime_node.paths import PASSWORD_FILE_ENV
 
@@ -105,7 +106,7 @@ def create_keystore(
     document = json.dumps(encrypt_keystore(key, password, scrypt=scrypt), indent=2).encode("utf-8")
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        temporary = temporary_sibling(path)
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             with os.fdopen(descriptor, "wb") as handle:
@@ -116,7 +117,7 @@ def create_keystore(
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temporary.unlink()
-        _fsync_directory(path.parent)
+        fsync_directory(path.parent)
     except OSError as exc:
         raise NodeError(f"cannot write keystore {path}: {exc.strerror}", reason="keystore_io") from exc
 
@@ -151,11 +152,3 @@ def keystore_file_address(path: Path) -> Address | None:
 def unlock_keystore(path: Path, password: str) -> WalletKey:
     """Read and decrypt the keystore at ``path`` (WrongPasswordError, KeystoreError, NodeError)."""
     return decrypt_keystore(read_keystore_document(path), password)
-
-
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

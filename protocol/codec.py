@@ -26,7 +26,7 @@ import msgpack
 
 from crypto.errors import CryptoError
 from crypto.keys import ADDRESS_SIZE, Address
-from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 WIRE_VERSION = 1
 DEFAULT_MAX_LEN = 1 << 16
@@ -194,7 +194,7 @@ class _MessageField(_Field):
         kwargs = {name: f.from_wire(v, f"{path}.{name}") for (name, f), v in zip(schema, value, strict=True)}
         try:
             return self.cls(**kwargs)
-        except (ValueError, CryptoError, RemoteProtocolError) as exc:  # __post_init__ invariants
+        except (ProtocolError, ValueError, CryptoError) as exc:  # __post_init__ invariants
             raise _bad(path, str(exc)) from exc
 
 

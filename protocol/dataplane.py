@@ -29,11 +29,9 @@ import struct
 from dataclasses import dataclass
 from typing import Annotated
 
-import blake3 as _blake3
-import coincurve
-
-from crypto.digests import blake3
+from crypto.digests import blake3, blake3_derive_key, keyed_blake3
 from crypto.errors import CryptoError
+from crypto.exchange import EPHEMERAL_KEY_SIZE, EphemeralKey, check_public_key
 from crypto.keys import Address, WalletKey
 from crypto.signatures import recover_address
 from protocol.codec import ExactLen, Message, decode, encode, message
@@ -42,7 +40,6 @@ from protocol.swarm.messages import Piece
 
 PROTOCOL_TAG = b"prime-node/dataplane/v1"
 KEY_CONTEXT = "prime-node 2026 dataplane v1 session keys"
-EPHEMERAL_KEY_SIZE = 33
 NONCE_SIZE = 32
 SECRET_SIZE = 32
 SIGNATURE_SIZE = 65
@@ -120,9 +117,8 @@ def dialer_auth_digest(transcript: bytes, listener: Address, dialer: Address) ->
 
 def derive_session_keys(shared_secret: bytes, transcript: bytes, dialer: Address, listener: Address) -> bytes:
     """64 bytes: the dialer→listener key, then the listener→dialer key."""
-    hasher = _blake3.blake3(derive_key_context=KEY_CONTEXT)
-    hasher.update(shared_secret + transcript + dialer.raw + listener.raw)
-    return hasher.digest(length=2 * SECRET_SIZE)
+    material = shared_secret + transcript + dialer.raw + listener.raw
+    return blake3_derive_key(KEY_CONTEXT, material, length=2 * SECRET_SIZE)
 
 
 def _context_bytes(context: str) -> bytes:
@@ -164,8 +160,8 @@ class Handshake:
         _context_bytes(context)
         self.role = role
         self._wallet = wallet
-        self._ephemeral = coincurve.PrivateKey(ephemeral_secret)
-        self._own_hello = Hello(self._ephemeral.public_key.format(compressed=True), nonce)
+        self._ephemeral = EphemeralKey(ephemeral_secret)
+        self._own_hello = Hello(self._ephemeral.public_key, nonce)
         self._context = context
         self._expected = expected_peer
         self._state = _State.AWAIT_HELLO
@@ -195,8 +191,8 @@ class Handshake:
 
     def _on_hello(self, hello: Hello) -> list[bytes]:
         try:
-            coincurve.PublicKey(hello.ephemeral_key)
-        except (ValueError, TypeError) as exc:
+            check_public_key(hello.ephemeral_key)
+        except CryptoError as exc:
             raise RemoteProtocolError("peer's ephemeral key is not a curve point", reason="bad_key") from exc
         if hello.ephemeral_key == self._own_hello.ephemeral_key:
             raise RemoteProtocolError("peer echoed our own ephemeral key", reason="reflected_hello")
@@ -233,7 +229,7 @@ class Handshake:
             own = Auth(me, self._wallet.sign_digest(dialer_auth_digest(self._transcript, listener, me)))
             out.append(encode(own))
         assert self._peer_hello is not None
-        shared = self._ephemeral.ecdh(self._peer_hello.ephemeral_key)
+        shared = self._ephemeral.shared_secret(self._peer_hello.ephemeral_key)
         keys = derive_session_keys(shared, self._transcript, dialer, listener)
         to_listener, to_dialer = keys[:SECRET_SIZE], keys[SECRET_SIZE:]
         if self.role is Role.DIALER:
@@ -273,7 +269,7 @@ def handshake_length(header: bytes | bytearray) -> int:
 
 def frame_tag(key: bytes, direction: Direction, counter: int, body: bytes | bytearray | memoryview) -> bytes:
     """Keyed BLAKE3 over direction ‖ u64 counter ‖ u32 length ‖ body."""
-    hasher = _blake3.blake3(key=key)
+    hasher = keyed_blake3(key)
     hasher.update(_tag_prefix(direction, counter, len(body)))
     hasher.update(body)
     return hasher.digest()
@@ -290,7 +286,7 @@ class FrameCheck:
         self.counter = counter
         self.length = length
         self.received = 0
-        self._hasher = _blake3.blake3(key=key)
+        self._hasher = keyed_blake3(key)
         self._hasher.update(_tag_prefix(direction, counter, length))
 
     def update(self, chunk: bytes | bytearray | memoryview) -> None:

@@ -15,7 +15,6 @@ The signature is an EIP-191 personal_sign over a 32-byte digest, so any Ethereum
 from __future__ import annotations
 
 import heapq
-import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -25,16 +24,17 @@ from typing import Annotated
 from crypto.digests import blake3, keccak256
 from crypto.errors import CryptoError
 from crypto.keys import Address, WalletKey
+from crypto.randomness import random_bytes
 from crypto.signatures import SIGNATURE_SIZE, eip191_digest, recover_address
 from protocol.codec import ExactLen, IntRange, MaxLen, Message, decode, encode, message
 from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.names import NAME_RULE, is_valid_name
 
 PROTOCOL_NAME = "prime-node"
 NONCE_SIZE = 16
 MAX_DOMAIN_CHARS = 160
 MAX_PAYLOAD_BYTES = 8 << 20
 _SIGNING_TAG = b"prime-node/envelope/v1"
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _DOMAIN = re.compile(r"^prime-node/(?P<version>[0-9]+)/(?P<kind>[a-z0-9._-]+)/(?P<run>[a-z0-9._-]+)$")
 
 
@@ -60,11 +60,8 @@ class Domain:
 
     def __post_init__(self) -> None:
         for label, value in (("kind", self.kind), ("run", self.run)):
-            if not _NAME.match(value):
-                raise LocalProtocolError(
-                    f"domain {label} {value!r} must be 1-64 of [a-z0-9._-], starting alphanumeric",
-                    reason="bad_domain",
-                )
+            if not is_valid_name(value):
+                raise LocalProtocolError(f"domain {label} {value!r} {NAME_RULE}", reason="bad_domain")
 
     @classmethod
     def parse(cls, text: str) -> Domain:
@@ -119,7 +116,7 @@ def seal(
     key: WalletKey, domain: Domain, payload: bytes, *, now_ms: int, nonce: bytes | None = None
 ) -> Envelope:
     """Sign ``payload`` for ``domain`` as of ``now_ms``. A fresh random nonce unless one is given."""
-    nonce = os.urandom(NONCE_SIZE) if nonce is None else nonce
+    nonce = random_bytes(NONCE_SIZE) if nonce is None else nonce
     if len(nonce) != NONCE_SIZE:
         raise LocalProtocolError(f"nonce must be {NONCE_SIZE} bytes", reason="bad_nonce")
     if len(payload) > MAX_PAYLOAD_BYTES:

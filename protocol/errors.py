@@ -22,3 +22,11 @@ class LocalProtocolError(ProtocolError):
 
 class RemoteProtocolError(ProtocolError):
     """A peer sent something invalid: malformed bytes, a bad signature, a stale or replayed message."""
+
+
+class InvariantError(LocalProtocolError):
+    """A message or setting built with values that break one of its invariants (``__post_init__`` checks).
+
+    Built locally it is our own misuse; the codec turns it into a RemoteProtocolError when the values came
+    off the wire.
+    """

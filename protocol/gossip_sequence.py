@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 from protocol.codec import IntRange, MaxLen, Message, message
-from protocol.errors import LocalProtocolError
+from protocol.errors import InvariantError, LocalProtocolError
 
 MAX_TOPIC_CHARS = 128
 MAX_GOSSIP_PAYLOAD = 256 << 10
@@ -46,7 +46,9 @@ class RepairRequest(Message):
 
     def __post_init__(self) -> None:
         if not self.first <= self.last < self.first + MAX_REPAIR_SPAN:
-            raise ValueError(f"repair span must be 1..{MAX_REPAIR_SPAN} sequence numbers")
+            raise InvariantError(
+                f"repair span must be 1..{MAX_REPAIR_SPAN} sequence numbers", reason="bad_repair_request"
+            )
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from crypto.digests import DIGEST_SIZE, blake3
 from crypto.keys import Address, WalletKey
 from protocol.codec import ExactLen, IntRange, MaxLen, Message, decode, encode, message
 from protocol.envelope import Domain, Envelope, check_signature, seal
-from protocol.errors import RemoteProtocolError
+from protocol.errors import InvariantError, RemoteProtocolError
+from protocol.names import check_run_id
 
 CHECKPOINT_KIND = "checkpoint"
 MIN_PIECE_SIZE = 1 << 10
@@ -39,25 +40,29 @@ MAX_PATH_DEPTH = 8
 MAX_TOTAL_SIZE = MAX_PIECES * MAX_PIECE_SIZE
 MAX_MANIFEST_BYTES = MAX_PIECES * DIGEST_SIZE + MAX_FILES * (MAX_PATH_CHARS + 32) + 4096
 _ROOT_TAG = b"prime-node/swarm/root/v1"
-_RUN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 _COMPONENT = re.compile(r"^[A-Za-z0-9._+=@,-]+$")
 
 
 def check_relative_path(path: str) -> None:
     """A file name a manifest may carry: relative, '/'-separated, no '..', '.', empty or odd components."""
     if not path or len(path) > MAX_PATH_CHARS:
-        raise ValueError(f"path must be 1-{MAX_PATH_CHARS} characters")
+        raise InvariantError(f"path must be 1-{MAX_PATH_CHARS} characters", reason="bad_manifest")
     if path.startswith("/"):
-        raise ValueError(f"absolute path {path[:60]!r}")
+        raise InvariantError(f"absolute path {path[:60]!r}", reason="bad_manifest")
     parts = path.split("/")
     if len(parts) > MAX_PATH_DEPTH:
-        raise ValueError(f"path {path[:60]!r} is more than {MAX_PATH_DEPTH} levels deep")
+        raise InvariantError(
+            f"path {path[:60]!r} is more than {MAX_PATH_DEPTH} levels deep", reason="bad_manifest"
+        )
     for part in parts:
         if part in ("", ".", ".."):
-            raise ValueError(f"path {path[:60]!r} has an empty, '.' or '..' component")
+            raise InvariantError(
+                f"path {path[:60]!r} has an empty, '.' or '..' component", reason="bad_manifest"
+            )
         if len(part) > MAX_COMPONENT_CHARS or not _COMPONENT.match(part):
-            raise ValueError(
-                f"path component {part[:60]!r} is too long or has characters outside [A-Za-z0-9._+=@,-]"
+            raise InvariantError(
+                f"path component {part[:60]!r} is too long or has characters outside [A-Za-z0-9._+=@,-]",
+                reason="bad_manifest",
             )
 
 
@@ -98,40 +103,53 @@ class Manifest(Message):
     signer: Address
 
     def __post_init__(self) -> None:
-        if not _RUN.match(self.run):
-            raise ValueError(f"run {self.run[:60]!r} must be 1-64 of [a-z0-9._-], starting alphanumeric")
+        check_run_id(self.run, label="run")
         if self.piece_size & (self.piece_size - 1):
-            raise ValueError(f"piece size {self.piece_size} is not a power of two")
+            raise InvariantError(f"piece size {self.piece_size} is not a power of two", reason="bad_manifest")
         if len(self.piece_hashes) != piece_count_for(self.total_size, self.piece_size) * DIGEST_SIZE:
-            raise ValueError(
+            raise InvariantError(
                 f"{len(self.piece_hashes) // DIGEST_SIZE} piece hashes for {self.total_size} bytes "
-                f"in pieces of {self.piece_size}"
+                f"in pieces of {self.piece_size}",
+                reason="bad_manifest",
             )
         if not self.files:
-            raise ValueError("a checkpoint has at least one file")
+            raise InvariantError("a checkpoint has at least one file", reason="bad_manifest")
         expected_offset = 0
         seen: set[str] = set()
         previous = ""
         for entry in self.files:
             if entry.offset != expected_offset:
-                raise ValueError(f"{entry.path!r} starts at {entry.offset}, expected {expected_offset}")
+                raise InvariantError(
+                    f"{entry.path!r} starts at {entry.offset}, expected {expected_offset}",
+                    reason="bad_manifest",
+                )
             if entry.path <= previous:
-                raise ValueError(f"files are not in strictly increasing path order at {entry.path!r}")
+                raise InvariantError(
+                    f"files are not in strictly increasing path order at {entry.path!r}",
+                    reason="bad_manifest",
+                )
             folded = entry.path.casefold()
             if folded in seen:
-                raise ValueError(f"duplicate path {entry.path!r} (paths are compared case-insensitively)")
+                raise InvariantError(
+                    f"duplicate path {entry.path!r} (paths are compared case-insensitively)",
+                    reason="bad_manifest",
+                )
             seen.add(folded)
             previous = entry.path
             expected_offset += entry.size
         if expected_offset != self.total_size:
-            raise ValueError(f"files cover {expected_offset} bytes, manifest says {self.total_size}")
+            raise InvariantError(
+                f"files cover {expected_offset} bytes, manifest says {self.total_size}", reason="bad_manifest"
+            )
         for entry in self.files:  # "a" and "a/b" cannot both be files
             parts = entry.path.casefold().split("/")
             for depth in range(1, len(parts)):
                 if "/".join(parts[:depth]) in seen:
-                    raise ValueError(f"{entry.path!r} lies under another file of the manifest")
+                    raise InvariantError(
+                        f"{entry.path!r} lies under another file of the manifest", reason="bad_manifest"
+                    )
         if self.root != piece_root(self.piece_size, self.total_size, self.piece_hashes):
-            raise ValueError("root does not match the piece hashes")
+            raise InvariantError("root does not match the piece hashes", reason="bad_manifest")
 
     @property
     def piece_count(self) -> int:
@@ -194,7 +212,9 @@ def checkpoint_domain(run: str) -> Domain:
 def sign_manifest(key: WalletKey, manifest: Manifest, *, now_ms: int) -> Envelope:
     """Seal ``manifest`` in an envelope signed by ``key``, which must be the manifest's own signer."""
     if key.address != manifest.signer:
-        raise ValueError(f"manifest names signer {manifest.signer}, but the key is {key.address}")
+        raise InvariantError(
+            f"manifest names signer {manifest.signer}, but the key is {key.address}", reason="bad_manifest"
+        )
     return seal(key, checkpoint_domain(manifest.run), encode(manifest), now_ms=now_ms)
 
 

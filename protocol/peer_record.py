@@ -9,6 +9,7 @@ peer can speak only for itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -17,9 +18,12 @@ from crypto.identity import address_from_peer_id
 from crypto.keys import Address
 from protocol.codec import IntRange, MaxLen, Message, decode, message
 from protocol.envelope import Envelope
-from protocol.errors import RemoteProtocolError
+from protocol.errors import InvariantError, RemoteProtocolError
+from protocol.membership import Member
+from protocol.roles import ROLE_SETTINGS
 
-ROLES = ("auto", "inferer", "validator", "seeder", "trainer")
+ROLES = ROLE_SETTINGS
+"""What a record's ``role`` may say (protocol/roles.py): a role, or ``auto`` before the policy chose."""
 MAX_MULTIADDRS = 8
 MAX_MULTIADDR_CHARS = 256
 MAX_VERSIONS_HELD = 16
@@ -57,16 +61,25 @@ class PeerRecord(Message):
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ValueError(f"unknown role {self.role[:16]!r}")
+            raise InvariantError(f"unknown role {self.role[:16]!r}", reason="bad_peer_record")
         for multiaddr in self.multiaddrs:
             if not multiaddr.startswith("/") or not multiaddr.endswith("/p2p/" + self.peer_id):
-                raise ValueError("every multiaddr must be a full /p2p/ address of the record's own peer")
+                raise InvariantError(
+                    "every multiaddr must be a full /p2p/ address of the record's own peer",
+                    reason="bad_peer_record",
+                )
         try:
             peer_address = address_from_peer_id(self.peer_id)
         except CryptoError as exc:
-            raise ValueError(f"peer ID is not a wallet key's: {exc}") from exc
+            raise InvariantError(f"peer ID is not a wallet key's: {exc}", reason="bad_peer_record") from exc
         if peer_address != self.address:
-            raise ValueError("peer ID and address name different keys")
+            raise InvariantError("peer ID and address name different keys", reason="bad_peer_record")
+
+
+def peer_id_of(address: Address, members: Iterable[Member[PeerRecord]]) -> str | None:
+    """The peer ID of the live member whose record is ``address``'s (the one lookup from a wallet address,
+    as verdicts and the data plane name peers, to the peer ID the peer policy scores); None if unknown."""
+    return next((member.peer_id for member in members if member.record.address == address), None)
 
 
 def check_sender(envelope: Envelope, sender_peer_id: str) -> Address:

@@ -23,15 +23,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Literal, get_args
 
-from protocol.errors import LocalProtocolError
+from protocol.errors import InvariantError, LocalProtocolError
 
-TRAINER = "trainer"
-INFERER = "inferer"
-VALIDATOR = "validator"
-SEEDER = "seeder"
-ROLES = (TRAINER, INFERER, VALIDATOR, SEEDER)
+Role = Literal["trainer", "inferer", "validator", "seeder"]
+"""Every job a node can hold in a run: the one definition the config, records and services use."""
+RoleSetting = Literal["auto", "trainer", "inferer", "validator", "seeder"]
+"""What a node's config and peer record may say: a role, or ``auto`` before the policy has chosen."""
+TRAINER: Final = "trainer"
+INFERER: Final = "inferer"
+VALIDATOR: Final = "validator"
+SEEDER: Final = "seeder"
+AUTO: Final = "auto"
+ROLES: tuple[Role, ...] = get_args(Role)
+ROLE_SETTINGS: tuple[RoleSetting, ...] = get_args(RoleSetting)
 MIB = 1 << 20
 
 
@@ -134,9 +140,14 @@ class RunRequirements:
 
     def __post_init__(self) -> None:
         if min(self.param_count, self.dtype_bytes, self.context_tokens, self.concurrent_sequences) < 1:
-            raise ValueError("param_count, dtype_bytes, context_tokens and concurrent_sequences must be >= 1")
+            raise InvariantError(
+                "param_count, dtype_bytes, context_tokens and concurrent_sequences must be >= 1",
+                reason="bad_role_config",
+            )
         if self.kv_bytes_per_token < 0 or not self.min_tokens_per_s >= 0:
-            raise ValueError("kv_bytes_per_token and min_tokens_per_s must be >= 0")
+            raise InvariantError(
+                "kv_bytes_per_token and min_tokens_per_s must be >= 0", reason="bad_role_config"
+            )
 
     @classmethod
     def for_model(
@@ -217,33 +228,41 @@ class RolePolicyConfig:
     """Least time in a role before a demand-driven switch."""
 
     def __post_init__(self) -> None:
-        if self.pinned is not None and self.pinned not in (*ROLES, "auto"):
-            raise ValueError(f"unknown role {self.pinned[:16]!r}: expected one of {', '.join(ROLES)} or auto")
+        if self.pinned is not None and self.pinned not in ROLE_SETTINGS:
+            raise InvariantError(
+                f"unknown role {self.pinned[:16]!r}: expected one of {', '.join(ROLES)} or auto",
+                reason="bad_role_config",
+            )
         if not 0 <= self.backlog_low < self.backlog_high:
-            raise ValueError("need 0 <= backlog_low < backlog_high (the gap is the hysteresis)")
+            raise InvariantError(
+                "need 0 <= backlog_low < backlog_high (the gap is the hysteresis)", reason="bad_role_config"
+            )
         if self.min_validators < 1:
-            raise ValueError("min_validators must be >= 1, or the last validator could leave")
+            raise InvariantError(
+                "min_validators must be >= 1, or the last validator could leave", reason="bad_role_config"
+            )
         if not (self.min_dwell_s >= 0 and self.vram_margin >= 0 and self.ram_margin >= 0):
-            raise ValueError("min_dwell_s and the margins must be >= 0")
+            raise InvariantError("min_dwell_s and the margins must be >= 0", reason="bad_role_config")
         if not self.cpu_bytes_per_s_per_core > 0:
-            raise ValueError("cpu_bytes_per_s_per_core must be > 0")
+            raise InvariantError("cpu_bytes_per_s_per_core must be > 0", reason="bad_role_config")
 
     @property
-    def pin(self) -> str | None:
-        return None if self.pinned in (None, "auto") else self.pinned
+    def pin(self) -> Role | None:
+        """The pinned role, or None when the policy chooses (``auto`` or no pin)."""
+        return next((role for role in ROLES if role == self.pinned), None)
 
 
 @dataclass(frozen=True)
 class RoleState:
     """The role a node holds and since when (the caller's clock, seconds)."""
 
-    role: str
+    role: Role
     since: float
 
 
 @dataclass(frozen=True)
 class RoleDecision:
-    role: str
+    role: Role
     reason: str
     changed: bool
 
@@ -370,6 +389,8 @@ def _balance(
     )
     stay_inferer = f"inferer: {infer.why}; backlog {backlog} < {policy.backlog_high}{throughput}"
     held = None if current is None or current.role not in (INFERER, VALIDATOR) else current
+    role: Role
+    target: Role
     if held is None:
         if to_validator is not None:
             role, reason = VALIDATOR, f"validator: {to_validator}{throughput}"

@@ -19,6 +19,7 @@ from typing import Annotated
 
 from crypto.keys import Address
 from protocol.codec import IntRange, MaxLen, Message, message
+from protocol.errors import InvariantError
 
 FORMAT_VERSION = 1
 MAX_PROMPT_TOKENS = 8192
@@ -68,18 +69,22 @@ class RolloutSample(Message):
 
     def __post_init__(self) -> None:
         if len(self.prompt) % 4 or not self.prompt:
-            raise ValueError("prompt must be a non-empty sequence of u32 token ids")
+            raise InvariantError("prompt must be a non-empty sequence of u32 token ids", reason="bad_rollout")
         if len(self.completion) % 4 or not self.completion:
-            raise ValueError("completion must be a non-empty sequence of u32 token ids")
+            raise InvariantError(
+                "completion must be a non-empty sequence of u32 token ids", reason="bad_rollout"
+            )
         if len(self.logprobs) != len(self.completion):
-            raise ValueError("exactly one f32 log-prob per completion token")
+            raise InvariantError("exactly one f32 log-prob per completion token", reason="bad_rollout")
         if self.proof and len(self.proof) != proof_size(len(self.completion) // 4):
-            raise ValueError("proof must hold 258 bytes per started chunk of 32 completion tokens")
+            raise InvariantError(
+                "proof must hold 258 bytes per started chunk of 32 completion tokens", reason="bad_rollout"
+            )
         if any(t > _TOKEN_LIMIT for t in unpack_tokens(self.prompt) + unpack_tokens(self.completion)):
-            raise ValueError("token id out of range")
+            raise InvariantError("token id out of range", reason="bad_rollout")
         for value in unpack_logprobs(self.logprobs):
             if not (math.isfinite(value) and value <= 0.0):
-                raise ValueError("log-probs must be finite and <= 0")
+                raise InvariantError("log-probs must be finite and <= 0", reason="bad_rollout")
 
     def prompt_tokens(self) -> tuple[int, ...]:
         return unpack_tokens(self.prompt)
@@ -107,13 +112,13 @@ class RolloutBatch(Message):
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError("temperature must lie in [0, 100]")
+            raise InvariantError("temperature must lie in [0, 100]", reason="bad_rollout")
         if not self.samples or len(self.samples) % self.group_size:
-            raise ValueError("samples must be a non-empty whole number of groups")
+            raise InvariantError("samples must be a non-empty whole number of groups", reason="bad_rollout")
         for start in range(0, len(self.samples), self.group_size):
             group = self.samples[start : start + self.group_size]
             if any(s.task_id != group[0].task_id for s in group):
-                raise ValueError("every sample of a group must share its task id")
+                raise InvariantError("every sample of a group must share its task id", reason="bad_rollout")
 
     @property
     def groups(self) -> int:

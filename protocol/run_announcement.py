@@ -25,10 +25,24 @@ from typing import Annotated, Any
 from crypto.keys import Address, WalletKey
 from protocol.codec import IntRange, MaxLen, Message, decode, encode, message
 from protocol.envelope import Domain, Envelope, check_signature, seal
-from protocol.errors import RemoteProtocolError
+from protocol.errors import InvariantError, RemoteProtocolError
+from protocol.topics import RUN_TOPIC
+
+__all__ = [  # RUN_TOPIC is re-exported for roles/announcement.py
+    "MAX_CONFIG_BYTES",
+    "MAX_SKEW_MS",
+    "RUN_KIND",
+    "RUN_TOPIC",
+    "RunAnnouncement",
+    "TrainerTrust",
+    "announcement_domain",
+    "canonical_json",
+    "config_of",
+    "open_announcement",
+    "seal_announcement",
+]
 
 RUN_KIND = "run"
-RUN_TOPIC = "run"
 MAX_CONFIG_BYTES = 16 * 1024
 MAX_SKEW_MS = 30_000
 _U63 = (1 << 63) - 1
@@ -57,7 +71,10 @@ def announcement_domain(run_id: str) -> Domain:
 def seal_announcement(key: WalletKey, announcement: RunAnnouncement, *, now_ms: int) -> Envelope:
     """Sign ``announcement`` as its trainer (the key must be the announcement's ``trainer``)."""
     if key.address != announcement.trainer:
-        raise ValueError(f"announcement names trainer {announcement.trainer}, but the key is {key.address}")
+        raise InvariantError(
+            f"announcement names trainer {announcement.trainer}, but the key is {key.address}",
+            reason="wrong_key",
+        )
     return seal(key, announcement_domain(announcement.run_id), encode(announcement), now_ms=now_ms)
 
 

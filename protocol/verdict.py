@@ -16,7 +16,7 @@ from typing import Annotated
 from crypto.keys import Address, WalletKey
 from protocol.codec import ExactLen, IntRange, MaxLen, Message, decode, encode, message
 from protocol.envelope import Domain, Envelope, EnvelopeVerifier, seal
-from protocol.errors import RemoteProtocolError
+from protocol.errors import InvariantError, RemoteProtocolError
 from protocol.rollouts import MAX_SAMPLES
 
 VERDICT_KIND = "verdict"
@@ -41,13 +41,15 @@ class Verdict(Message):
 
     def __post_init__(self) -> None:
         if self.accepted == bool(self.reasons):
-            raise ValueError("a verdict is accepted exactly when it lists no reasons")
+            raise InvariantError(
+                "a verdict is accepted exactly when it lists no reasons", reason="bad_verdict"
+            )
         if self.accepted and self.rejected_samples:
-            raise ValueError("an accepted verdict rejects no samples")
+            raise InvariantError("an accepted verdict rejects no samples", reason="bad_verdict")
         if len(set(self.reasons)) != len(self.reasons):
-            raise ValueError("reasons must not repeat")
+            raise InvariantError("reasons must not repeat", reason="bad_verdict")
         if not all(math.isfinite(r) for r in self.rewards):
-            raise ValueError("rewards must be finite")
+            raise InvariantError("rewards must be finite", reason="bad_verdict")
 
 
 def verdict_domain(run_id: str) -> Domain:

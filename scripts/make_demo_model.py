@@ -52,12 +52,12 @@ MAX_NEW_TOKENS = 5  # the demo's run config: max_new_tokens = 5
 def heldout_accuracy(model: Any, tokenizer: Any, eval_tasks: int | None = EVAL_TASKS) -> float:
     """Greedy accuracy on the first ``eval_tasks`` held-out ids (all of them for None), as the demo's
     trainer measures it."""
-    from prime_node.ml.engine import TorchEngine
+    from prime_node.ml.engines import setup_engine
     from prime_node.ml.evaluation import greedy_accuracy
     from prime_node.tasks.arithmetic import ArithmeticTask
 
     task = ArithmeticTask(DIGITS)
-    engine = TorchEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    engine = setup_engine(model, tokenizer)
     ids = list(task.eval_ids())[:eval_tasks]
     return float(greedy_accuracy(engine, tokenizer, task, ids, max_new_tokens=MAX_NEW_TOKENS))
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -50,3 +52,117 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("import trio\nfrom prime_node.errors import NodeError\nfrom . import sibling\n")
     assert _imported_roots(module) == {"trio", "prime_node"}
+
+
+# -- what the wheel ships: no test kit in production code, no dev-only dependency anywhere --------------
+
+SHIPPED = ("crypto", "protocol", "prime_node")
+TEST_KIT = "prime_node.testing"
+# Everything but tests/ and benchmarks/ is production code, shipped in the wheel or run by users.
+PRODUCTION = (*SHIPPED, "scripts", "examples")
+
+
+def _dev_only_imports() -> set[str]:
+    """Import names of the ``dev`` extra's packages that neither the install nor another extra needs."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    needed = {*project["dependencies"], *(r for name, reqs in extras.items() if name != "dev" for r in reqs)}
+    return {re.split(r"[<>=!~ \[;]", r)[0].lower().replace("-", "_") for r in set(extras["dev"]) - needed}
+
+
+def _imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module ``path`` imports, fully qualified (``from a import b`` names both ``a`` and ``a.b``;
+    relative imports resolved against the file's package)."""
+    package = path.relative_to(root).parent.parts
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else ()
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _imports_of(modules: set[str], names: set[str]) -> list[str]:
+    return sorted(m for m in modules if any(m == n or m.startswith(f"{n}.") for n in names))
+
+
+def _python_files(top_levels: tuple[str, ...]) -> list[Path]:
+    files = sorted(path for top in top_levels for path in (ROOT / top).rglob("*.py"))
+    assert files
+    return files
+
+
+def test_production_code_does_not_import_the_test_kit() -> None:
+    """prime_node/testing ships for tests and benchmarks; the agent and its scripts never depend on it."""
+    kit = ROOT / "prime_node" / "testing"
+    violations = {
+        str(path.relative_to(ROOT)): _imports_of(_imported_modules(path), {TEST_KIT})
+        for path in _python_files(PRODUCTION)
+        if not path.is_relative_to(kit)
+    }
+    assert {k: v for k, v in violations.items() if v} == {}
+
+
+def test_nothing_the_wheel_ships_imports_a_dev_dependency() -> None:
+    """The wheel installs without the ``dev`` extra: hypothesis strategies live in tests/strategies/."""
+    dev_only = _dev_only_imports()
+    assert {"hypothesis", "pytest", "eth_account"} <= dev_only
+    violations = {
+        str(path.relative_to(ROOT)): _imports_of(_imported_modules(path), dev_only)
+        for path in _python_files(SHIPPED)
+    }
+    assert {k: v for k, v in violations.items() if v} == {}
+
+
+def test_the_module_checker_sees_test_kit_and_dev_imports(tmp_path: Path) -> None:
+    module = tmp_path / "prime_node" / "cli" / "m.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(
+        "import hypothesis.strategies as st\n"
+        "from prime_node import testing\n"
+        "from ..testing.adversary import build_scenario\n"
+        "from . import sibling\n"
+        "def f():\n    from pytest import raises\n"
+    )
+    modules = _imported_modules(module, root=tmp_path)
+    assert _imports_of(modules, {TEST_KIT}) == [
+        "prime_node.testing",
+        "prime_node.testing.adversary",
+        "prime_node.testing.adversary.build_scenario",
+    ]
+    assert _imports_of(modules, _dev_only_imports()) == ["hypothesis.strategies", "pytest", "pytest.raises"]
+    assert "prime_node.cli.sibling" in modules
+    clean = module.with_name("clean.py")
+    clean.write_text(
+        "import hypothesis_extra\nfrom prime_node.testing_notes import x\nfrom .testing import y\n"
+    )
+    assert _imports_of(_imported_modules(clean, root=tmp_path), {TEST_KIT, *_dev_only_imports()}) == []
+
+
+# -- the sans-IO core touches no files and draws entropy in one place ----------------------------------
+
+OS_ACCESS = {"os", "pathlib", "shutil", "tempfile", "secrets"}
+ENTROPY_SOURCE = Path("crypto/randomness.py")  # the one module that may read the OS's CSPRNG
+
+
+def _os_access(path: Path) -> set[str]:
+    allowed = {"secrets"} if path.relative_to(ROOT) == ENTROPY_SOURCE else set()
+    return (_imported_roots(path) & OS_ACCESS) - allowed
+
+
+@pytest.mark.parametrize("package", ["crypto", "protocol"])
+def test_the_core_does_not_reach_the_operating_system(package: str) -> None:
+    files = sorted((ROOT / package).rglob("*.py"))
+    violations = {str(path.relative_to(ROOT)): sorted(_os_access(path)) for path in files}
+    assert {k: v for k, v in violations.items() if v} == {}
+    assert (ROOT / ENTROPY_SOURCE).is_file()
+
+
+def test_the_os_checker_sees_os_and_stray_entropy(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("import os\nimport secrets\nfrom pathlib import Path\n")
+    assert _imported_roots(module) & OS_ACCESS == {"os", "secrets", "pathlib"}

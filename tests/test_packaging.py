@@ -1,8 +1,9 @@
-"""The wheel installs exactly our three top-level packages, and an installed wheel's `crypto` and
-`protocol` are ours (not another distribution's, not the source tree's)."""
+"""The wheel installs exactly our three top-level packages, needs no dev-only dependency, and an installed
+wheel's `crypto` and `protocol` are ours (not another distribution's, not the source tree's)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -11,11 +12,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_layering import _dev_only_imports, _imported_modules, _imports_of
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Built from a clean copy of the tree: an in-tree build reuses build/lib, which keeps modules that
+    # have since been deleted or moved, so the wheel would ship them.
+    source = tmp_path_factory.mktemp("source") / "prime-node"
+    shutil.copytree(
+        ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__")
+    )
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [
@@ -28,7 +37,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "-q",
             "-w",
             str(out),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         capture_output=True,
@@ -43,9 +52,26 @@ def test_wheel_holds_only_our_packages(wheel: Path) -> None:
     top_level = {name.split("/")[0] for name in names}
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"crypto", "protocol", "prime_node"}
     assert "prime_node/py.typed" in names
+    assert "prime_node/assets/tiny_arithmetic/model.safetensors" in names  # package data: the demo model
     assert not any(name.startswith(("tests/", "benchmarks/", "examples/")) for name in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "prime-node = prime_node.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+@pytest.mark.slow
+def test_the_wheel_imports_no_dev_dependency(wheel: Path, tmp_path: Path) -> None:
+    """The wheel installs without the ``dev`` extra: none of its modules imports hypothesis or another
+    dev-only package (the test kit it ships, prime_node/testing, included)."""
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tmp_path)
+    sources = sorted(tmp_path.rglob("*.py"))
+    assert tmp_path / "prime_node" / "testing" / "memory_network.py" in sources
+    dev_only = _dev_only_imports()
+    violations = {
+        str(path.relative_to(tmp_path)): _imports_of(_imported_modules(path, root=tmp_path), dev_only)
+        for path in sources
+    }
+    assert {k: v for k, v in violations.items() if v} == {}
 
 
 @pytest.mark.slow

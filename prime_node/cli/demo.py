@@ -26,7 +26,7 @@ def demo(
         str,
         typer.Option(
             "--adversary",
-            help="Add a cheating inferer: an attack name (see prime_node/testing/adversary.py), "
+            help="Add a cheating inferer: an attack name (see prime_node/verification/cheating.py), "
             "'random', or 'none'.",
         ),
     ] = "forged_proof",
@@ -58,7 +58,7 @@ def demo(
     """Start a whole swarm on this machine and train a tiny model until its held-out reward rises."""
     from prime_node.demo.orchestrator import DemoOptions, DemoStopped, run_demo
     from prime_node.errors import NodeError
-    from prime_node.testing.adversary import ATTACKS
+    from prime_node.verification.cheating import ATTACKS
 
     kind: str | None = None if adversary == "none" else adversary
     if kind is not None and kind != "random" and kind not in ATTACKS:

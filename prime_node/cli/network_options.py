@@ -1,12 +1,19 @@
-"""The networking flags of every command that runs a node (``join``, ``share``, ``fetch``), spelled and
-documented once, and the NodeConfig they make."""
+"""The networking and wallet flags of every command that runs a node (``join``, ``share``, ``fetch``,
+``run-trainer``), declared once as one group (``NodeFlags``), and the NodeConfig and key they make."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+
+from prime_node.cli.options import KeystoreOption, NoPasswordOption, PasswordEnvOption, PasswordFileOption
 
 if TYPE_CHECKING:
     from crypto.keys import WalletKey
@@ -51,6 +58,108 @@ NewWalletOption = Annotated[
 LightKdfOption = Annotated[
     bool, typer.Option("--light-kdf", help="With --new-wallet: fast, weak scrypt (tests).")
 ]
+
+
+DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/4001"
+Command = TypeVar("Command", bound=Callable[..., None])
+
+
+@dataclass(frozen=True)
+class NodeFlags:
+    """The flags every node-running command takes; a command asks for them with one ``NodeFlags``
+    parameter and ``@with_node_flags`` (the annotations below are the options' declarations)."""
+
+    bootstrap: BootstrapOption = None
+    listen: ListenOption = DEFAULT_LISTEN
+    announce: AnnounceOption = None
+    data_dir: DataDirOption = None
+    api_port: ApiPortOption = 0
+    heartbeat_interval: HeartbeatOption = 2.0
+    bootstrap_timeout: BootstrapTimeoutOption = 30.0
+    dataplane_port: DataplanePortOption = 0
+    keystore: KeystoreOption = None
+    password_file: PasswordFileOption = None
+    password_env: PasswordEnvOption = None
+    no_password: NoPasswordOption = False
+    new_wallet: NewWalletOption = False
+    light_kdf: LightKdfOption = False
+
+    def directory(self) -> Path:
+        """--data-dir, else $PRIME_NODE_DATA_DIR (or the user data dir)."""
+        from prime_node.paths import default_data_dir
+
+        return self.data_dir if self.data_dir is not None else default_data_dir()
+
+    def config(self, run: str, *, role: str = "auto", dead_after: float = 0.0) -> NodeConfig:
+        """The checked NodeConfig for ``run``; NodeError (one line) on a bad value."""
+        return network_config(
+            listen=self.listen,
+            announce=self.announce,
+            bootstrap=self.bootstrap,
+            data_dir=self.directory(),
+            api_port=self.api_port,
+            run=run,
+            heartbeat_interval=self.heartbeat_interval,
+            bootstrap_timeout=self.bootstrap_timeout,
+            role=role,
+            dead_after=dead_after,
+        )
+
+    def key(self) -> WalletKey:
+        """The node's wallet key (see ``node_key``)."""
+        return node_key(
+            self.directory(),
+            self.keystore,
+            self.password_file,
+            self.password_env,
+            self.no_password,
+            new_wallet=self.new_wallet,
+            light_kdf=self.light_kdf,
+        )
+
+
+DEFAULT_FLAGS = NodeFlags()
+"""The placeholder default of a command's NodeFlags parameter (``with_node_flags`` always passes one)."""
+
+
+def with_node_flags(*, listen: str = DEFAULT_LISTEN) -> Callable[[Command], Command]:
+    """Give a command every ``NodeFlags`` option in place of its one ``NodeFlags`` parameter.
+
+    Typer reads a command's signature, so the wrapper shows the flags as parameters of their own and packs
+    them into a NodeFlags for the command. ``listen``: this command's default for --listen.
+    """
+
+    def decorate(command: Command) -> Command:
+        signature = inspect.signature(command, eval_str=True)
+        (group,) = (name for name, p in signature.parameters.items() if p.annotation is NodeFlags)
+        defaults = {**{f.name: f.default for f in fields(NodeFlags)}, "listen": listen}
+        keyword = inspect.Parameter.KEYWORD_ONLY  # typer passes every value by name
+        parameters: list[inspect.Parameter] = []
+        for name, parameter in signature.parameters.items():
+            if name != group:
+                parameters.append(parameter.replace(kind=keyword))
+                continue
+            for flag, annotation in _flag_types().items():
+                parameters.append(
+                    inspect.Parameter(flag, keyword, default=defaults[flag], annotation=annotation)
+                )
+
+        @functools.wraps(command)
+        def with_flags(**values: Any) -> None:
+            flags = NodeFlags(**{name: values.pop(name) for name in defaults})
+            command(**values, **{group: flags})
+
+        with_flags.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+        with_flags.__annotations__ = {p.name: p.annotation for p in parameters}
+        return with_flags  # type: ignore[return-value]
+
+    return decorate
+
+
+@functools.cache
+def _flag_types() -> dict[str, Any]:
+    """NodeFlags' fields with their Annotated option types, resolved (annotations here are strings)."""
+    return typing.get_type_hints(NodeFlags, include_extras=True)
 
 
 def network_config(

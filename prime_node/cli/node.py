@@ -7,26 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
-from prime_node.cli.network_options import (
-    AnnounceOption,
-    ApiPortOption,
-    BootstrapOption,
-    BootstrapTimeoutOption,
-    DataDirOption,
-    DataplanePortOption,
-    HeartbeatOption,
-    LightKdfOption,
-    ListenOption,
-    NewWalletOption,
-    RunOption,
-)
-from prime_node.cli.options import (
-    JsonOption,
-    KeystoreOption,
-    NoPasswordOption,
-    PasswordEnvOption,
-    PasswordFileOption,
-)
+from prime_node.cli.network_options import DEFAULT_FLAGS, DataDirOption, NodeFlags, RunOption, with_node_flags
+from prime_node.cli.options import JsonOption
 
 
 def register(app: typer.Typer) -> None:
@@ -34,26 +16,15 @@ def register(app: typer.Typer) -> None:
     app.command("status")(status)
 
 
+@with_node_flags()
 def join(
-    bootstrap: BootstrapOption = None,
-    listen: ListenOption = "/ip4/0.0.0.0/tcp/4001",
-    announce: AnnounceOption = None,
-    data_dir: DataDirOption = None,
-    api_port: ApiPortOption = 0,
+    node: NodeFlags = DEFAULT_FLAGS,
     role: Annotated[str, typer.Option("--role", help="auto, inferer, validator or seeder.")] = "auto",
     run: RunOption = "demo",
-    heartbeat_interval: HeartbeatOption = 2.0,
     dead_after: Annotated[
         float,
         typer.Option("--dead-after", help="Seconds of silence before a peer is dead (0 = 6 heartbeats)."),
     ] = 0.0,
-    bootstrap_timeout: BootstrapTimeoutOption = 30.0,
-    keystore: KeystoreOption = None,
-    password_file: PasswordFileOption = None,
-    password_env: PasswordEnvOption = None,
-    no_password: NoPasswordOption = False,
-    new_wallet: NewWalletOption = False,
-    light_kdf: LightKdfOption = False,
     gpu: Annotated[
         str, typer.Option("--gpu", help="GPUs this node may use: auto, none, or indices such as 0,1.")
     ] = "auto",
@@ -65,7 +36,6 @@ def join(
             "the first valid announcement is trusted (printed on stderr).",
         ),
     ] = None,
-    dataplane_port: DataplanePortOption = 0,
     adversary: Annotated[
         str | None, typer.Option("--adversary", hidden=True, help="Demo/tests: cheat as this attack kind.")
     ] = None,
@@ -73,41 +43,21 @@ def join(
     """Start a node: join the swarm via a bootstrap peer, learn the run from its signed announcement, take
     a role (inferer, validator or seeder: from hardware and demand, or pinned with --role), fetch and
     re-serve checkpoints, and serve the status API."""
-    from prime_node.cli.network_options import dataplane_host_for, network_config, node_key
+    from prime_node.cli.network_options import dataplane_host_for
     from prime_node.errors import NodeError
-    from prime_node.paths import default_data_dir
 
-    directory = data_dir if data_dir is not None else default_data_dir()
-    config = network_config(
-        listen=listen,
-        announce=announce,
-        bootstrap=bootstrap,
-        data_dir=directory,
-        api_port=api_port,
-        run=run,
-        heartbeat_interval=heartbeat_interval,
-        bootstrap_timeout=bootstrap_timeout,
-        role=role,
-        dead_after=dead_after,
-    )
+    directory = node.directory()
+    config = node.config(run, role=role, dead_after=dead_after)
     from prime_node.hardware import parse_gpu_selection
 
     gpus = parse_gpu_selection(gpu)
     pinned = _parse_trainer(trainer)
     if adversary is not None:
-        from prime_node.testing.adversary import ATTACKS
+        from prime_node.verification.cheating import ATTACKS
 
         if adversary not in ATTACKS:
             raise NodeError(f"--adversary must be one of {', '.join(ATTACKS)}", reason="bad_config")
-    key = node_key(
-        directory,
-        keystore,
-        password_file,
-        password_env,
-        no_password,
-        new_wallet=new_wallet,
-        light_kdf=light_kdf,
-    )
+    key = node.key()
     from prime_node.node.runner import run_node_until_signal
     from prime_node.roles.runner import RoleRunner
     from prime_node.swarm.service import SwarmService
@@ -118,7 +68,7 @@ def join(
         trainer=pinned,
         store_dir=directory / "swarm",
         dataplane_host=dataplane_host_for(config.listen),
-        dataplane_port=dataplane_port,
+        dataplane_port=node.dataplane_port,
         keep=3,
     )
 

@@ -6,31 +6,12 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from prime_node.cli.network_options import (
-    AnnounceOption,
-    ApiPortOption,
-    BootstrapOption,
-    BootstrapTimeoutOption,
-    DataDirOption,
-    DataplanePortOption,
-    HeartbeatOption,
-    LightKdfOption,
-    ListenOption,
-    NewWalletOption,
-    RunOption,
-    node_key,
-)
-from prime_node.cli.options import (
-    JsonOption,
-    KeystoreOption,
-    NoPasswordOption,
-    PasswordEnvOption,
-    PasswordFileOption,
-)
+from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, RunOption, with_node_flags
+from prime_node.cli.options import JsonOption
 
 if TYPE_CHECKING:
     from crypto.keys import WalletKey
@@ -39,6 +20,9 @@ if TYPE_CHECKING:
     from prime_node.swarm.service import SwarmService
 
 STORE_SUBDIR = "swarm"
+DataplaneHostOption = Annotated[
+    str, typer.Option("--dataplane-host", help="Address the data plane listens on.")
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -46,6 +30,7 @@ def register(app: typer.Typer) -> None:
     app.command("fetch")(fetch)
 
 
+@with_node_flags()
 def share(
     directory: Annotated[Path, typer.Argument(help="Hugging Face model directory to share.")],
     step: Annotated[int, typer.Option("--step", min=0, help="Training step of this checkpoint.")] = 0,
@@ -53,50 +38,27 @@ def share(
         int | None, typer.Option("--piece-size", help="Piece size in bytes (power of two; default 4 MiB).")
     ] = None,
     as_json: JsonOption = False,
-    bootstrap: BootstrapOption = None,
-    listen: ListenOption = "/ip4/0.0.0.0/tcp/4001",
-    announce: AnnounceOption = None,
-    data_dir: DataDirOption = None,
-    api_port: ApiPortOption = 0,
+    node: NodeFlags = DEFAULT_FLAGS,
     run: RunOption = "demo",
-    heartbeat_interval: HeartbeatOption = 2.0,
-    bootstrap_timeout: BootstrapTimeoutOption = 30.0,
-    dataplane_port: DataplanePortOption = 0,
-    dataplane_host: Annotated[
-        str, typer.Option("--dataplane-host", help="Address the data plane listens on.")
-    ] = "0.0.0.0",
-    keystore: KeystoreOption = None,
-    password_file: PasswordFileOption = None,
-    password_env: PasswordEnvOption = None,
-    no_password: NoPasswordOption = False,
-    new_wallet: NewWalletOption = False,
-    light_kdf: LightKdfOption = False,
+    dataplane_host: DataplaneHostOption = "0.0.0.0",
 ) -> None:
     """Sign DIR as the run's checkpoint for --step with this node's key (the trainer's), announce it and
     seed it until SIGINT/SIGTERM. Prints the manifest id (with --json one JSON line)."""
     from prime_node.swarm.service import SwarmService
 
-    config = _config(locals())
-    key = node_key(
-        config.data_dir,
-        keystore,
-        password_file,
-        password_env,
-        no_password,
-        new_wallet=new_wallet,
-        light_kdf=light_kdf,
-    )
+    config = node.config(run)
+    key = node.key()
     swarm = SwarmService(
         key=key,
         run_id=config.run_id,
         trainer=key.address,
         store_dir=config.data_dir / STORE_SUBDIR,
         dataplane_host=dataplane_host,
-        dataplane_port=dataplane_port,
+        dataplane_port=node.dataplane_port,
         follow=False,
     )
 
-    async def body(node: Node) -> None:
+    async def body(running: Node) -> None:
         manifest = await swarm.share(directory, step=step, piece_size=piece_size)
         if as_json:
             document = {
@@ -106,20 +68,21 @@ def share(
                 "pieces": manifest.piece_count,
                 "bytes": manifest.total_size,
                 "trainer": str(key.address),
-                "multiaddrs": node.advertised_multiaddrs(),
+                "multiaddrs": running.advertised_multiaddrs(),
             }
             typer.echo(json.dumps(document))
         else:
             typer.echo(manifest.id().hex())
             typer.echo(
                 f"seeding step {manifest.step}: {manifest.piece_count} pieces, {manifest.total_size} bytes; "
-                f"bootstrap: {node.advertised_multiaddrs()[0]}",
+                f"bootstrap: {running.advertised_multiaddrs()[0]}",
                 err=True,
             )
 
     _run(config, key, swarm, body, until_signal=True)
 
 
+@with_node_flags(listen="/ip4/0.0.0.0/tcp/0")
 def fetch(
     manifest_id: Annotated[str, typer.Argument(help="Manifest id (64 hex digits) printed by `share`.")],
     out: Annotated[Path, typer.Option("--out", help="Directory to write (must not exist yet).")],
@@ -137,24 +100,9 @@ def fetch(
         float, typer.Option("--timeout", help="Give up if no peer offers the manifest within this many s.")
     ] = 60.0,
     as_json: JsonOption = False,
-    bootstrap: BootstrapOption = None,
-    listen: ListenOption = "/ip4/0.0.0.0/tcp/0",
-    announce: AnnounceOption = None,
-    data_dir: DataDirOption = None,
-    api_port: ApiPortOption = 0,
+    node: NodeFlags = DEFAULT_FLAGS,
     run: RunOption = "demo",
-    heartbeat_interval: HeartbeatOption = 2.0,
-    bootstrap_timeout: BootstrapTimeoutOption = 30.0,
-    dataplane_port: DataplanePortOption = 0,
-    dataplane_host: Annotated[
-        str, typer.Option("--dataplane-host", help="Address the data plane listens on.")
-    ] = "0.0.0.0",
-    keystore: KeystoreOption = None,
-    password_file: PasswordFileOption = None,
-    password_env: PasswordEnvOption = None,
-    no_password: NoPasswordOption = False,
-    new_wallet: NewWalletOption = False,
-    light_kdf: LightKdfOption = False,
+    dataplane_host: DataplaneHostOption = "0.0.0.0",
 ) -> None:
     """Download checkpoint MANIFEST_ID from the swarm, verify every piece, write it to --out atomically.
     A rerun after an interruption resumes from the pieces already verified in --data-dir."""
@@ -182,28 +130,20 @@ def fetch(
     if out.exists():
         raise NodeError(f"{out} already exists; choose another --out or remove it", reason="output_exists")
     _probe_writable(out.parent)
-    config = _config(locals())
-    key = node_key(
-        config.data_dir,
-        keystore,
-        password_file,
-        password_env,
-        no_password,
-        new_wallet=new_wallet,
-        light_kdf=light_kdf,
-    )
+    config = node.config(run)
+    key = node.key()
     swarm = SwarmService(
         key=key,
         run_id=config.run_id,
         trainer=trainer_address,
         store_dir=config.data_dir / STORE_SUBDIR,
         dataplane_host=dataplane_host,
-        dataplane_port=dataplane_port,
+        dataplane_port=node.dataplane_port,
         follow=False,
         upload=not no_upload,
     )
 
-    async def body(node: Node) -> None:
+    async def body(running: Node) -> None:
         import trio
 
         started = trio.current_time()
@@ -240,30 +180,13 @@ def fetch(
 # --- shared plumbing ---------------------------------------------------------------------------------
 
 
-def _config(options: dict[str, Any]) -> NodeConfig:
-    from prime_node.cli.network_options import network_config
-    from prime_node.paths import default_data_dir
-
-    data_dir = options["data_dir"]
-    return network_config(
-        listen=options["listen"],
-        announce=options["announce"],
-        bootstrap=options["bootstrap"],
-        data_dir=data_dir if data_dir is not None else default_data_dir(),
-        api_port=options["api_port"],
-        run=options["run"],
-        heartbeat_interval=options["heartbeat_interval"],
-        bootstrap_timeout=options["bootstrap_timeout"],
-    )
-
-
 def _probe_writable(parent: Path) -> None:
     """Fail before downloading if --out's directory cannot take a file (permission, read-only, full)."""
     import os
     import tempfile
 
+    from prime_node.atomic_files import node_error_from_os
     from prime_node.errors import NodeError
-    from prime_node.swarm.checkpoint import node_error_from_os
 
     for ancestor in (parent, *parent.parents):
         if ancestor.exists():

@@ -11,30 +11,14 @@ from typing import Annotated, Any
 
 import typer
 
-from prime_node.cli.network_options import (
-    AnnounceOption,
-    ApiPortOption,
-    BootstrapOption,
-    BootstrapTimeoutOption,
-    DataDirOption,
-    DataplanePortOption,
-    HeartbeatOption,
-    LightKdfOption,
-    ListenOption,
-    NewWalletOption,
-)
-from prime_node.cli.options import (
-    KeystoreOption,
-    NoPasswordOption,
-    PasswordEnvOption,
-    PasswordFileOption,
-)
+from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, with_node_flags
 
 
 def register(app: typer.Typer) -> None:
     app.command("run-trainer")(run_trainer)
 
 
+@with_node_flags()
 def run_trainer(
     config: Annotated[Path, typer.Option("--config", help="Run config (TOML).", dir_okay=False)],
     model: Annotated[
@@ -50,20 +34,7 @@ def run_trainer(
         Path | None, typer.Option("--output", help="Output directory (overrides output_dir).")
     ] = None,
     max_steps: Annotated[int | None, typer.Option("--max-steps", min=0, help="Override max_steps.")] = None,
-    bootstrap: BootstrapOption = None,
-    listen: ListenOption = "/ip4/0.0.0.0/tcp/4001",
-    announce: AnnounceOption = None,
-    data_dir: DataDirOption = None,
-    api_port: ApiPortOption = 0,
-    heartbeat_interval: HeartbeatOption = 2.0,
-    bootstrap_timeout: BootstrapTimeoutOption = 30.0,
-    dataplane_port: DataplanePortOption = 0,
-    keystore: KeystoreOption = None,
-    password_file: PasswordFileOption = None,
-    password_env: PasswordEnvOption = None,
-    no_password: NoPasswordOption = False,
-    new_wallet: NewWalletOption = False,
-    light_kdf: LightKdfOption = False,
+    node: NodeFlags = DEFAULT_FLAGS,
     exit_when_done: Annotated[
         bool,
         typer.Option("--exit-when-done", help="Networked: exit after max_steps (default: keep seeding)."),
@@ -90,7 +61,7 @@ def run_trainer(
             raise NodeError(
                 "--nproc needs --local (the networked trainer is one process)", reason="bad_config"
             )
-        _networked(run, locals())
+        _networked(run, node, exit_when_done=exit_when_done)
         return
     args = ["--config", str(config)] + [
         arg for key, value in overrides.items() for arg in (f"--{key.replace('_', '-')}", str(value))
@@ -131,34 +102,15 @@ def run_trainer(
         typer.echo(json.dumps({"eval_step": point.step, "heldout_greedy_accuracy": point.accuracy}))
 
 
-def _networked(run: Any, flags: dict[str, Any]) -> None:
+def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool) -> None:
     """The networked trainer node (prime_node/roles/trainer_node.py)."""
-    from prime_node.cli.network_options import dataplane_host_for, network_config, node_key
+    from prime_node.cli.network_options import dataplane_host_for
     from prime_node.errors import NodeError
-    from prime_node.paths import default_data_dir
     from prime_node.roles.trainer_node import build_trainer_node, run_trainer_node
 
-    directory = flags["data_dir"] if flags["data_dir"] is not None else default_data_dir()
-    node_config = network_config(
-        listen=flags["listen"],
-        announce=flags["announce"],
-        bootstrap=flags["bootstrap"],
-        data_dir=directory,
-        api_port=flags["api_port"],
-        run=run.run_id,
-        heartbeat_interval=flags["heartbeat_interval"],
-        bootstrap_timeout=flags["bootstrap_timeout"],
-    )
+    node_config = flags.config(run.run_id)
     try:
-        key = node_key(
-            directory,
-            flags["keystore"],
-            flags["password_file"],
-            flags["password_env"],
-            flags["no_password"],
-            new_wallet=flags["new_wallet"],
-            light_kdf=flags["light_kdf"],
-        )
+        key = flags.key()
     except NodeError as exc:
         if exc.reason != "no_keystore":
             raise
@@ -187,7 +139,7 @@ def _networked(run: Any, flags: dict[str, Any]) -> None:
         run,
         key,
         dataplane_host=dataplane_host_for(node_config.listen),
-        dataplane_port=flags["dataplane_port"],
+        dataplane_port=flags.dataplane_port,
         on_step=on_step,
     )
-    run_trainer_node(node_config, parts, key, echo=typer.echo, exit_when_done=flags["exit_when_done"])
+    run_trainer_node(node_config, parts, key, echo=typer.echo, exit_when_done=exit_when_done)

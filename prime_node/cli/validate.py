@@ -73,8 +73,8 @@ def _run(
     frame: bytes, model_dir: Path, config_path: Path | None, current_step: int | None
 ) -> ValidationResult:
     from prime_node.config import load_run_config
-    from prime_node.ml.engine import TorchEngine
-    from prime_node.ml.model import check_model_dir, load_model
+    from prime_node.ml.engines import load_engine
+    from prime_node.ml.model import check_model_dir
     from prime_node.ml.tokenizer import load_tokenizer
     from prime_node.tasks.factory import build_task
     from prime_node.verification.proving import rollout_domain
@@ -95,9 +95,7 @@ def _run(
     run = load_run_config(config_path)
     check_model_dir(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    engine = TorchEngine(
-        load_model(model_dir), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    engine = load_engine(model_dir, tokenizer, engine=run.engine)
     now_ms, step = 0, 0
     try:
         envelope = decode(frame, Envelope)

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prime_node.errors import NodeError
+from protocol.names import RUN_ID_PATTERN
 
 ENV_PREFIX = "PRIME_NODE_RUN__"
 
@@ -59,7 +60,7 @@ class LengthRewardConfig(_Strict):
 class RunConfig(_Strict):
     """Everything that defines a training run. Every role of every node reads the same file."""
 
-    run_id: str = Field("demo", pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
+    run_id: str = Field("demo", pattern=RUN_ID_PATTERN)
     """Name of the run: part of every signed message's domain and of the DHT key."""
     model_dir: Path | None = None
     """Local Hugging Face-format model directory to start from (config, tokenizer, safetensors)."""
@@ -135,6 +136,10 @@ class RunConfig(_Strict):
     local_inference: Literal["thread", "process"] = "process"
     """--local: generate in a child process (no GIL shared with training: measured faster), or in a
     thread of the trainer process."""
+    engine: Literal["torch"] = "torch"
+    """Inference engine family every role builds (``prime_node.ml.engines.setup_engine``): ``torch`` is
+    transformers in float32 on CPU/CUDA. Validators accept TOPLOC proofs with the thresholds calibrated
+    for this family and its dtype."""
     seed: int = Field(0, ge=0, lt=1 << 63)
     """Run seed: input of the task schedule and of every sample seed."""
     torch_seed: int = Field(0, ge=0, lt=1 << 63)

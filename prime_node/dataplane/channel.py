@@ -1,23 +1,25 @@
-"""The trio side of the data plane: run the handshake of protocol/dataplane.py over a TCP socket, then move
-MAC'd frames.
+"""The trio side of the data plane: run the handshake of protocol/dataplane.py over a byte stream (a TCP
+socket, or an in-memory stream in tests: prime_node/dataplane/streams.py), then move MAC'd frames.
 
 An ``AuthenticatedChannel`` knows the wallet address of its peer and offers ``send_frame(bytes)`` /
 ``receive_frame() -> bytes``: exactly what a swarm transport needs (CheckpointTransfer's ``send`` and
 ``frame`` callbacks). Every failure (bad MAC, oversized or truncated frame, failed handshake, lost
-connection) is a ``ChannelError`` with a ``reason``, logged once, and the socket is closed. Receiving
-reads straight into a buffer of the announced size, allocated only after the size is checked.
+connection) is a ``ChannelError`` with a ``reason``, logged once, and the stream is closed. Receiving
+reads straight into a buffer of the announced size, allocated only after the size is checked (on TCP with
+``recv_into``, no copy). Every timeout is trio's, so tests run under ``autojump_clock``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import trio
 
 from crypto.keys import Address, WalletKey
+from crypto.randomness import random_bytes
+from prime_node.dataplane.streams import TCP, StreamListener, StreamTransport
 from prime_node.errors import NodeError
 from protocol.dataplane import (
     DEFAULT_MAX_FRAME,
@@ -47,10 +49,10 @@ class ChannelError(NodeError):
 
 
 class AuthenticatedChannel:
-    """A TCP connection whose peer proved its wallet address. Frames in each direction are MAC'd and
+    """A stream whose peer proved its wallet address. Frames in each direction are MAC'd and
     numbered; one sender and one receiver may run at once (each side has its own lock)."""
 
-    def __init__(self, stream: trio.SocketStream, keys: SessionKeys, *, max_frame: int) -> None:
+    def __init__(self, stream: trio.abc.Stream, keys: SessionKeys, *, max_frame: int) -> None:
         self._stream = stream
         self.remote: Address = keys.remote
         self._sealer = FrameSealer(keys.send_key, keys.send_direction, max_frame=max_frame)
@@ -130,14 +132,23 @@ class AuthenticatedChannel:
         return ChannelError(text, reason=reason)
 
 
+async def _receive_into(stream: trio.abc.Stream, view: memoryview) -> int:
+    """Up to ``len(view)`` bytes into ``view``; 0 at end of stream. A TCP socket fills it in place."""
+    if isinstance(stream, trio.SocketStream):
+        return await stream.socket.recv_into(view)
+    chunk = await stream.receive_some(len(view))
+    view[: len(chunk)] = chunk
+    return len(chunk)
+
+
 async def _read_exactly(
-    stream: trio.SocketStream, view: memoryview, *, allow_eof: bool, check: FrameCheck | None = None
+    stream: trio.abc.Stream, view: memoryview, *, allow_eof: bool, check: FrameCheck | None = None
 ) -> bool:
-    """Fill ``view`` from the socket, feeding ``check`` each chunk as it lands. False at EOF before the
+    """Fill ``view`` from the stream, feeding ``check`` each chunk as it lands. False at EOF before the
     first byte when ``allow_eof``."""
     filled = 0
     while filled < len(view):
-        count = await stream.socket.recv_into(view[filled:])
+        count = await _receive_into(stream, view[filled:])
         if count == 0:
             if allow_eof and filled == 0:
                 return False
@@ -148,7 +159,7 @@ async def _read_exactly(
     return True
 
 
-async def _run_handshake(stream: trio.SocketStream, handshake: Handshake, timeout: float) -> SessionKeys:
+async def _run_handshake(stream: trio.abc.Stream, handshake: Handshake, timeout: float) -> SessionKeys:
     peer = "the listener" if handshake.role is Role.DIALER else "a dialer"
     try:
         with trio.fail_after(timeout):
@@ -171,7 +182,7 @@ async def _run_handshake(stream: trio.SocketStream, handshake: Handshake, timeou
     return handshake.result
 
 
-async def _refuse(stream: trio.SocketStream, reason: str, text: str) -> ChannelError:
+async def _refuse(stream: trio.abc.Stream, reason: str, text: str) -> ChannelError:
     log.warning("data plane: %s (%s)", text, reason)
     with trio.CancelScope(shield=True):
         await stream.aclose()
@@ -185,7 +196,7 @@ def _new_handshake(role: Role, wallet: WalletKey, context: str, expected_peer: A
         role,
         wallet,
         ephemeral_secret=ephemeral.secret,
-        nonce=os.urandom(NONCE_SIZE),
+        nonce=random_bytes(NONCE_SIZE),
         context=context,
         expected_peer=expected_peer,
     )
@@ -200,10 +211,11 @@ async def open_channel(
     context: str = DEFAULT_CONTEXT,
     max_frame: int = DEFAULT_MAX_FRAME,
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    transport: StreamTransport = TCP,
 ) -> AuthenticatedChannel:
     """Dial ``host:port`` and prove both identities; ChannelError unless the peer is ``expected_peer``."""
     try:
-        stream = await trio.open_tcp_stream(host, port)
+        stream = await transport.open_stream(host, port)
     except OSError as exc:
         raise ChannelError(f"cannot reach {host}:{port}: {exc}", reason="dial_failed") from exc
     keys = await _run_handshake(
@@ -213,7 +225,7 @@ async def open_channel(
 
 
 async def accept_channel(
-    stream: trio.SocketStream,
+    stream: trio.abc.Stream,
     wallet: WalletKey,
     *,
     expected_peer: Address | None = None,
@@ -240,6 +252,7 @@ async def serve_channels(
     context: str = DEFAULT_CONTEXT,
     max_frame: int = DEFAULT_MAX_FRAME,
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    transport: StreamTransport = TCP,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept channels until cancelled; ``handler`` owns each authenticated channel. Reports the port.
@@ -247,7 +260,7 @@ async def serve_channels(
     A failed handshake or a ChannelError out of ``handler`` ends that connection only (logged).
     """
 
-    async def on_connection(stream: trio.SocketStream) -> None:
+    async def on_connection(stream: trio.abc.Stream) -> None:
         try:
             channel = await accept_channel(
                 stream, wallet, context=context, max_frame=max_frame, handshake_timeout=handshake_timeout
@@ -262,11 +275,17 @@ async def serve_channels(
             with trio.CancelScope(shield=True):
                 await channel.aclose()
 
-    try:
-        listeners = await trio.open_tcp_listeners(port, host=host)
-    except OSError as exc:
-        raise ChannelError(f"cannot listen on {host}:{port}: {exc}", reason="port_in_use") from exc
-    bound_port = int(listeners[0].socket.getsockname()[1])
+    listeners, bound_port = await open_listeners(transport, host, port)
     async with trio.open_nursery() as nursery:
         task_status.started(bound_port)
         await trio.serve_listeners(on_connection, listeners, handler_nursery=nursery)
+
+
+async def open_listeners(
+    transport: StreamTransport, host: str, port: int
+) -> tuple[list[StreamListener], int]:
+    """``transport.open_listeners`` with its OSError as a ChannelError (reason ``port_in_use``)."""
+    try:
+        return await transport.open_listeners(host, port)
+    except OSError as exc:
+        raise ChannelError(f"cannot listen on {host}:{port}: {exc}", reason="port_in_use") from exc

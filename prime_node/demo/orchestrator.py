@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from prime_node.atomic_files import write_atomically
 from prime_node.demo.setup import (
     DemoPlan,
     NodeSpec,
@@ -190,7 +191,7 @@ class Demo:
         options = self.options
         kind = options.adversary
         if kind == "random":
-            from prime_node.testing.adversary import ATTACKS
+            from prime_node.verification.cheating import ATTACKS
 
             kind = random.Random(options.seed).choice(ATTACKS)
         self.adversary_kind = kind
@@ -216,10 +217,7 @@ class Demo:
                 for c in self.supervisor.children
             ],
         }
-        path = plan.workdir / "demo.json"
-        temporary = path.with_name(".demo.json.tmp")
-        temporary.write_text(json.dumps(document, indent=2) + "\n")
-        os.replace(temporary, path)
+        write_atomically(plan.workdir / "demo.json", json.dumps(document, indent=2) + "\n")
 
     def _start(self, node: NodeSpec, argv: list[str]) -> Child:
         child = self.supervisor.start(node.name, argv, node.log_path)

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from prime_node.errors import NodeError
 
-Role = Literal["trainer", "validator", "inferer", "adversary"]
+DemoRole = Literal["trainer", "validator", "inferer", "adversary"]
+"""The kinds of process a demo starts (not protocol roles: "adversary" is a cheating inferer)."""
 RUN_ID = "demo"
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 HEARTBEAT_INTERVAL_S = 1.0
@@ -26,7 +27,7 @@ class NodeSpec:
     """One process of the demo."""
 
     name: str
-    role: Role
+    role: DemoRole
     data_dir: Path
     address: str
     adversary: str | None = None
@@ -58,7 +59,7 @@ class DemoPlan:
     def trainer(self) -> NodeSpec:
         return self.nodes[0]
 
-    def of_role(self, role: Role) -> list[NodeSpec]:
+    def of_role(self, role: DemoRole) -> list[NodeSpec]:
         return [node for node in self.nodes if node.role == role]
 
     @property
@@ -67,8 +68,8 @@ class DemoPlan:
         return found[0] if found else None
 
 
-def node_names(inferers: int, validators: int, adversary: str | None) -> list[tuple[str, Role]]:
-    names: list[tuple[str, Role]] = [("trainer", "trainer")]
+def node_names(inferers: int, validators: int, adversary: str | None) -> list[tuple[str, DemoRole]]:
+    names: list[tuple[str, DemoRole]] = [("trainer", "trainer")]
     names += [(f"validator-{i + 1}", "validator") for i in range(validators)]
     names += [(f"inferer-{i + 1}", "inferer") for i in range(inferers)]
     if adversary is not None:

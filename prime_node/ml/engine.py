@@ -1,5 +1,8 @@
 """Inference engines. The interface is what the rest of prime-node (inferer, validator, trainer) uses.
 
+Engines are built by ``prime_node.ml.engines`` (``setup_engine``/``load_engine``), which picks the
+backend the run config's ``engine`` names; this module holds the interface and the torch backend.
+
 Interface (stable; a vLLM engine for GPU machines would implement the same ``InferenceEngine``):
 
     engine.generate(prompts, seeds, SamplingParams(max_new_tokens, temperature, return_hidden))

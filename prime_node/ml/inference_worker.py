@@ -105,8 +105,7 @@ def _generate(
 
     from prime_node.config import RunConfig
     from prime_node.ml.checkpoint import read_weights, step_dir
-    from prime_node.ml.engine import TorchEngine
-    from prime_node.ml.model import load_model
+    from prime_node.ml.engines import load_engine
     from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch, with_tied_head
     from prime_node.ml.tokenizer import load_tokenizer
     from prime_node.tasks.factory import build_task
@@ -116,12 +115,7 @@ def _generate(
     config = RunConfig.model_validate_json(config_json)
     tokenizer = load_tokenizer(source)
     task = build_task(config.task)
-    engine = TorchEngine(
-        load_model(source),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        policy_step=start,
-    )
+    engine = load_engine(source, tokenizer, engine=config.engine, policy_step=start)
     first = handoff_path(handoff, start)
     engine.load_weights(with_tied_head(engine.model, read_weights(first.parent, first.name)), start)
     latest = start

@@ -39,7 +39,7 @@ from prime_node.errors import NodeError
 from prime_node.ml.checkpoint import read_weights, step_dir
 from prime_node.ml.distributed import DistInfo
 from prime_node.ml.engine import TorchEngine
-from prime_node.ml.model import load_model
+from prime_node.ml.engines import load_engine
 from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch, with_tied_head
 from prime_node.ml.session import TrainingSession
 from prime_node.ml.trainer import StepMetrics
@@ -314,10 +314,11 @@ class LocalRun:
             return None
         self.store.mark_available(self.start)
         self.store.publish(self.start, session.weights(self.start))
-        engine = TorchEngine(
-            load_model(session.source, device=session.device),
-            eos_token_id=session.tokenizer.eos_token_id,
-            pad_token_id=session.tokenizer.pad_token_id,
+        engine = load_engine(
+            session.source,
+            session.tokenizer,
+            engine=self.config.engine,
+            device=session.device,
             policy_step=self.start,
         )
         to_generate = [k for k in range(self.start, self.config.max_steps) if k not in self.replay]

@@ -1,10 +1,10 @@
 """Generating one scheduled rollout batch, the step every producer of batches shares (DESIGN §1, §6).
 
-The --local inference stage (thread or child process), the networked inferer and the adversaries in
-``prime_node.testing`` (through ``verification.proving``) all draw the scheduled tasks and seeds and
-pack them here, so a batch depends only on (worker, policy step, counter, run seed) and the policy's
-weights, and a validator can recompute the draw. It lives apart from the training loop so that a
-process that only generates imports no trainer.
+The --local inference stage (thread or child process), the networked inferer and the cheating producers
+of ``prime_node.verification.cheating`` (through ``verification.proving``) all draw the scheduled tasks
+and seeds and pack them here, so a batch depends only on (worker, policy step, counter, run seed) and
+the policy's weights, and a validator can recompute the draw. It lives apart from the training loop so
+that a process that only generates imports no trainer.
 """
 
 from __future__ import annotations

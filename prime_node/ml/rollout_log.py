@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 from crypto.digests import sha256
+from prime_node.atomic_files import atomic_writer
 from protocol.codec import decode
 from protocol.errors import RemoteProtocolError
 from protocol.rollouts import MAX_BATCH_BYTES, RolloutBatch
@@ -83,18 +84,9 @@ class RolloutLog:
         dropped = len(self._records) - len(kept)
         if dropped == 0:
             return 0
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "wb") as handle:
+        with atomic_writer(self.path) as handle:
             for step, frame in kept:
                 handle.write(_HEADER.pack(_MAGIC, len(frame), step, sha256(frame)) + frame)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self.path)
-        directory = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
         self._records = kept
         return dropped
 

@@ -44,6 +44,7 @@ from prime_node.ml.checkpoint import (
 )
 from prime_node.ml.distributed import DistInfo
 from prime_node.ml.engine import TorchEngine
+from prime_node.ml.engines import load_engine
 from prime_node.ml.evaluation import greedy_accuracy
 from prime_node.ml.model import load_model
 from prime_node.ml.rollout_batch import with_tied_head
@@ -221,10 +222,8 @@ class TrainingSession:
         weights = self.weights(policy) if isinstance(policy, int) else policy
         if self._eval_engine is None:
             self._eval_tokenizer = load_tokenizer(self.base)
-            self._eval_engine = TorchEngine(
-                load_model(self.base, device=self.device),
-                eos_token_id=self._eval_tokenizer.eos_token_id,
-                pad_token_id=self._eval_tokenizer.pad_token_id,
+            self._eval_engine = load_engine(
+                self.base, self._eval_tokenizer, engine=self.config.engine, device=self.device
             )
         engine = self._eval_engine
         engine.load_weights(with_tied_head(engine.model, weights), -1)

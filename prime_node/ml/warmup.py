@@ -38,13 +38,13 @@ def supervised_warmup(
     """Train ``model`` in place until the training-probe greedy accuracy reaches ``target_accuracy``."""
     import torch
 
-    from prime_node.ml.engine import TorchEngine
+    from prime_node.ml.engines import setup_engine
     from prime_node.ml.evaluation import greedy_accuracy
 
     generator = torch.Generator().manual_seed(seed)
     pool: Sequence[int] = task.train_ids()
     probe = [pool[i] for i in torch.randperm(len(pool), generator=generator)[:128].tolist()]
-    engine = TorchEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    engine = setup_engine(model, tokenizer)
     max_answer = len(task.answer(len(pool) and max(pool))) + 2
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id

@@ -6,8 +6,10 @@ its signer is the peer the transport says published it, and that the frame names
 then the per-topic ``SequenceTracker`` decides: deliver, ignore, or ask the origin directly for the
 numbers it skipped. Each node keeps its own recent frames per topic to answer such requests.
 
-Topics are scoped to the run: ``prime-node/<run>/<name>``. Later services (checkpoints, rollouts,
-verdicts) register a name and a handler; they never see unsigned or unverified bytes.
+Topics are scoped to the run: ``prime-node/<run>/<name>``. Services (checkpoints, rollouts, verdicts)
+subscribe a handler to a name; they never see unsigned or unverified bytes. A topic may have any number
+of handlers: each message is verified and sequenced once, then handed to every one of them in
+subscription order (a handler that raises is logged and counted; the others still get the message).
 """
 
 from __future__ import annotations
@@ -16,16 +18,16 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
-from crypto.keys import Address, WalletKey
+from crypto.keys import Address
 from prime_node.errors import NodeError
 from prime_node.node.clock import NodeClock
+from prime_node.node.core import NodeCore
 from prime_node.node.heartbeats import offence_for
-from prime_node.node.metrics import NodeMetrics
-from prime_node.node.peers import PeerPolicy
-from prime_node.p2p.interface import FramedStream, GossipMessage, P2PHost
+from prime_node.p2p.interface import FramedStream, GossipMessage
 from protocol.codec import decode, encode
 from protocol.envelope import Domain, Envelope, EnvelopeVerifier, seal
 from protocol.errors import ProtocolError, RemoteProtocolError
@@ -47,7 +49,7 @@ MAX_ENVELOPE_FRAME = MAX_GOSSIP_PAYLOAD + 2048
 
 @dataclass(frozen=True)
 class Delivered:
-    """A verified gossip payload, handed to the service that subscribed to its topic."""
+    """A verified gossip payload, handed to every service that subscribed to its topic."""
 
     topic: str
     origin_peer_id: str
@@ -65,38 +67,47 @@ def topic_name(run_id: str, name: str) -> str:
 
 
 class GossipService:
-    def __init__(
-        self,
-        host: P2PHost,
-        key: WalletKey,
-        run_id: str,
-        clock: NodeClock,
-        metrics: NodeMetrics,
-        policy: PeerPolicy,
-        nursery: trio.Nursery,
-    ) -> None:
-        self.host = host
-        self.key = key
-        self.run_id = run_id
-        self.clock = clock
-        self.metrics = metrics
-        self.policy = policy
-        self.nursery = nursery
-        self.domain = Domain("gossip", run_id)
+    def __init__(self, core: NodeCore) -> None:
+        self.host = core.host
+        self.key = core.key
+        self.run_id = core.run_id
+        self.clock = core.clock
+        self.metrics = core.metrics
+        self.policy = core.policy
+        self.nursery = core.nursery
+        self.domain = Domain("gossip", core.run_id)
         self.verifier = EnvelopeVerifier(self.domain)
-        self.epoch_ms = clock.wall_ms()
+        self.epoch_ms = core.clock.wall_ms()
         self._next_sequence: dict[str, int] = {}
         self._history: dict[str, deque[tuple[int, bytes]]] = {}
         self._trackers: dict[str, SequenceTracker] = {}
-        self._handlers: dict[str, PayloadHandler] = {}
-        host.set_stream_handler(REPAIR_PROTOCOL, self._serve_repair)
+        self._handlers: dict[str, list[PayloadHandler]] = {}
+        self._subscribed: set[str] = set()
+        core.host.set_stream_handler(REPAIR_PROTOCOL, self._serve_repair)
 
     async def subscribe(self, name: str, handler: PayloadHandler) -> str:
+        """Add ``handler`` to the topic's handlers (once; subscribing it again changes nothing)."""
         topic = topic_name(self.run_id, name)
-        self._handlers[topic] = handler
-        self._trackers[topic] = SequenceTracker()
-        await self.host.subscribe(topic, self._on_gossip)
+        if handler in self._handlers.get(topic, ()):
+            return topic
+        if topic not in self._subscribed:
+            await self.host.subscribe(topic, self._on_gossip)
+            self._subscribed.add(topic)
+        handlers = self._handlers.setdefault(topic, [])
+        if not handlers:  # nothing was listening: sequence numbers seen before mean nothing now
+            self._trackers[topic] = SequenceTracker()
+        if handler not in handlers:
+            handlers.append(handler)
         return topic
+
+    def unsubscribe(self, name: str, handler: PayloadHandler) -> None:
+        """Remove ``handler``; the host stays subscribed (mesh membership is cheap, re-joining is not)."""
+        handlers = self._handlers.get(topic_name(self.run_id, name), [])
+        if handler in handlers:
+            handlers.remove(handler)
+
+    def handler_count(self, name: str) -> int:
+        return len(self._handlers.get(topic_name(self.run_id, name), ()))
 
     async def publish(self, name: str, payload: bytes) -> None:
         topic = topic_name(self.run_id, name)
@@ -125,8 +136,7 @@ class GossipService:
 
     async def _accept(self, topic: str, origin_peer_id: str, data: bytes, *, from_repair: bool) -> None:
         tracker = self._trackers.get(topic)
-        handler = self._handlers.get(topic)
-        if tracker is None or handler is None:
+        if tracker is None or not self._handlers.get(topic):
             return
         try:
             envelope = self.verifier.open(data, now_ms=self.clock.wall_ms())
@@ -147,19 +157,27 @@ class GossipService:
             if isinstance(action, Deliver):
                 if action.repaired:
                     self.metrics.count("gossip_repaired")
-                await handler(
-                    Delivered(
-                        topic,
-                        origin_peer_id,
-                        envelope.signer,
-                        frame.payload,
-                        envelope.timestamp_ms,
-                        action.repaired,
-                    )
+                delivered = Delivered(
+                    topic,
+                    origin_peer_id,
+                    envelope.signer,
+                    frame.payload,
+                    envelope.timestamp_ms,
+                    action.repaired,
                 )
+                await self._fan_out(delivered)
             elif isinstance(action, RequestMissing) and not from_repair:
                 self.metrics.count("gossip_gaps", 0, action.last - action.first + 1)
                 self.nursery.start_soon(self._repair, topic, action)
+
+    async def _fan_out(self, message: Delivered) -> None:
+        """Every handler of the topic gets the message; one that fails does not starve the others."""
+        for handler in tuple(self._handlers.get(message.topic, ())):
+            try:
+                await handler(message)
+            except Exception:  # a service's bug must not silence the topic for the other services
+                self.metrics.count("gossip_handler_errors")
+                log.exception("a handler of %s failed on a message from %s", message.topic, message.origin)
 
     async def _repair(self, topic: str, gap: RequestMissing) -> None:
         try:
@@ -189,6 +207,53 @@ class GossipService:
             if request.first <= sequence <= request.last:
                 await stream.send_frame(envelope)
                 self.metrics.count("gossip_repair_served", len(envelope))
+
+
+class Gossip(Protocol):
+    """What a service may do with gossip: the node's ``GossipService`` or a ``GossipScope`` of it."""
+
+    @property
+    def clock(self) -> NodeClock: ...
+
+    async def subscribe(self, name: str, handler: PayloadHandler) -> str: ...
+
+    def unsubscribe(self, name: str, handler: PayloadHandler) -> None: ...
+
+    async def publish(self, name: str, payload: bytes) -> None: ...
+
+
+class GossipScope:
+    """A service's own view of the node's gossip: what it subscribes through the scope ends when the scope
+    closes (a role that stops stops hearing its topics; the node's other subscribers keep theirs)."""
+
+    def __init__(self, gossip: Gossip) -> None:
+        self._gossip = gossip
+        self._mine: list[tuple[str, PayloadHandler]] = []
+        self._closed = False
+
+    @property
+    def clock(self) -> NodeClock:
+        return self._gossip.clock
+
+    async def subscribe(self, name: str, handler: PayloadHandler) -> str:
+        if self._closed:
+            raise NodeError(f"subscribing to {name} after the service stopped", reason="not_running")
+        self._mine.append((name, handler))
+        return await self._gossip.subscribe(name, handler)
+
+    def unsubscribe(self, name: str, handler: PayloadHandler) -> None:
+        if (name, handler) in self._mine:
+            self._mine.remove((name, handler))
+            self._gossip.unsubscribe(name, handler)
+
+    async def publish(self, name: str, payload: bytes) -> None:
+        await self._gossip.publish(name, payload)
+
+    def close(self) -> None:
+        self._closed = True
+        for name, handler in self._mine:
+            self._gossip.unsubscribe(name, handler)
+        self._mine.clear()
 
 
 def _check_signer(envelope: Envelope, sender_peer_id: str) -> None:

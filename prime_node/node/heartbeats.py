@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import trio
 
-from crypto.keys import WalletKey
 from prime_node.errors import NodeError
-from prime_node.node.clock import NodeClock
-from prime_node.node.metrics import NodeMetrics
-from prime_node.node.peers import PeerPolicy
-from prime_node.p2p.interface import FramedStream, P2PHost
+from prime_node.p2p.interface import FramedStream
 from protocol.codec import encode
 from protocol.envelope import Domain, Envelope, EnvelopeVerifier, Reject, seal
 from protocol.errors import ProtocolError
 from protocol.peer_record import check_sender
 from protocol.scoring import Offence
+
+if TYPE_CHECKING:
+    from prime_node.node.core import NodeCore
 
 log = logging.getLogger(__name__)
 HEARTBEAT_PROTOCOL = "/prime-node/heartbeat/1"
@@ -51,29 +51,19 @@ def offence_for(error: ProtocolError) -> Offence | None:
 
 
 class DirectHeartbeats:
-    def __init__(
-        self,
-        host: P2PHost,
-        key: WalletKey,
-        run_id: str,
-        clock: NodeClock,
-        metrics: NodeMetrics,
-        policy: PeerPolicy,
-        nursery: trio.Nursery,
-        on_envelope: EnvelopeHandler,
-    ) -> None:
-        self.host = host
-        self.key = key
-        self.clock = clock
-        self.metrics = metrics
-        self.policy = policy
-        self.nursery = nursery
+    def __init__(self, core: NodeCore, on_envelope: EnvelopeHandler) -> None:
+        self.host = core.host
+        self.key = core.key
+        self.clock = core.clock
+        self.metrics = core.metrics
+        self.policy = core.policy
+        self.nursery = core.nursery
         self.on_envelope = on_envelope
-        self.domain = Domain("heartbeat", run_id)
+        self.domain = Domain("heartbeat", core.run_id)
         self.verifier = EnvelopeVerifier(self.domain)
         self._streams: dict[str, FramedStream] = {}
         self._sending: set[str] = set()
-        host.set_stream_handler(HEARTBEAT_PROTOCOL, self._serve)
+        core.host.set_stream_handler(HEARTBEAT_PROTOCOL, self._serve)
 
     def beat(self, payload: bytes) -> None:
         """Seal ``payload`` once and send it to every connected, unbanned peer (in the background)."""

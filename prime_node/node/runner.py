@@ -19,11 +19,21 @@ from crypto.keys import WalletKey
 from prime_node.errors import first_node_error
 from prime_node.node.service import Node, NodeService
 from prime_node.node_config import NodeConfig
+from protocol.peer_record import HardwareSummary
 
 SHUTDOWN_DEADLINE = 5.0
 
 
 NodeBody = Callable[[Node], Awaitable[None]]
+
+
+def local_hardware() -> HardwareSummary:
+    """The heartbeat's hardware summary: the probe of all visible GPUs (count, total VRAM), cores, RAM.
+
+    Probed here, by the process that runs the node, so a Node built in a test does no probing."""
+    from prime_node.hardware import GpuSelection, probe, to_summary
+
+    return to_summary(probe(GpuSelection("auto")))
 
 
 def run_node_until_signal(
@@ -48,7 +58,7 @@ def run_node_until_signal(
         return open_libp2p_host(wallet, config.listen)
 
     async def main() -> None:
-        node = Node(config, key, open_host, services=services)
+        node = Node(config, key, open_host, services=services, hardware=local_hardware())
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)

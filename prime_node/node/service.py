@@ -1,5 +1,8 @@
 """The node: one trio nursery running the host, heartbeats, membership, discovery and the status API.
 
+Services get a read-only ``NodeContext`` (prime_node/node/context.py), never the Node: they report what
+they hold (status sections, parts of the peer record) and the node reads the reports. The hardware
+summary is the caller's to probe (``prime_node.node.runner.local_hardware``); the node does no probing.
 ``Node.run`` is started with ``nursery.start``; it reports ready once the host listens, the heartbeat
 topic is subscribed and node.json is written, and it stops when its nursery is cancelled (SIGINT/SIGTERM
 in the CLI), marking node.json stopped on the way out.
@@ -12,7 +15,6 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +25,8 @@ from crypto.keys import Address, WalletKey
 from prime_node import __version__
 from prime_node.errors import NodeError
 from prime_node.node.clock import NodeClock
+from prime_node.node.context import NodeContext, NodeIdentity, NodeReports, RecordPart, StatusSection
+from prime_node.node.core import NodeCore
 from prime_node.node.gossip import Delivered, GossipService
 from prime_node.node.heartbeats import DirectHeartbeats
 from prime_node.node.metrics import NodeMetrics
@@ -46,32 +50,22 @@ DIAL_YIELD_DELAY = 3.0
 DISCOVERY_WARMUP = 60.0
 
 HostOpener = Callable[[WalletKey], AbstractAsyncContextManager[P2PHost]]
-StatusSection = Callable[[], Any]
+UNPROBED = HardwareSummary(cpu_cores=0, ram_mib=0, gpu_count=0, gpu_vram_mib=0)
+"""The hardware a node advertises when its caller probed none (tests, benchmarks)."""
+__all__ = ["HEARTBEAT_TOPIC", "UNPROBED", "Node", "NodeIdentity", "NodeService", "StatusSection"]
 
 
 class NodeService(Protocol):
     """A role's or a subsystem's work inside a node (the weight swarm, a validator, an inferer...).
 
-    ``Node.run`` starts each service with ``nursery.start(service.run, node)`` once the host, gossip and
-    heartbeats are up, so a service may subscribe to topics and open streams at once; it reports ready
+    ``Node.run`` starts each service with ``nursery.start(service.run, context)`` once the host, gossip
+    and heartbeats are up, so a service may subscribe to topics and open streams at once; it reports ready
     with ``task_status.started()`` and runs until the node's nursery is cancelled. A service shows itself
-    in ``prime-node status`` by adding a JSON-ready callable to ``node.status_sections``.
+    in ``prime-node status`` with ``context.add_status_section`` and in the node's peer record with
+    ``context.add_record_source``.
     """
 
-    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None: ...
-
-
-@dataclass(frozen=True)
-class NodeIdentity:
-    address: str
-    peer_id: str
-
-
-def local_hardware() -> HardwareSummary:
-    """The heartbeat's hardware summary: the probe of all visible GPUs (count, total VRAM), cores, RAM."""
-    from prime_node.hardware import GpuSelection, probe, to_summary
-
-    return to_summary(probe(GpuSelection("auto")))
+    async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None: ...
 
 
 class Node:
@@ -85,6 +79,7 @@ class Node:
         write_node_file: bool = True,
         serve_api: bool = True,
         services: Sequence[NodeService] = (),
+        hardware: HardwareSummary = UNPROBED,
     ) -> None:
         self.config = config
         self.key = key
@@ -93,16 +88,13 @@ class Node:
         self.write_node_file = write_node_file
         self.serve_api = serve_api
         self.services = tuple(services)
-        self.status_sections: dict[str, StatusSection] = {}
+        self.reports = NodeReports()
         self.identity = NodeIdentity(str(key.address), peer_id_from_public_key(key.public_key))
         self.metrics = NodeMetrics()
         self.membership: Membership[PeerRecord] = Membership(
             MembershipConfig(config.unhealthy_window, config.dead_window, max(120.0, 4 * config.dead_window))
         )
-        self.hardware = local_hardware()
-        self.versions_held: tuple[int, ...] = ()
-        self.load_percent = 0
-        self.dataplane_port = 0  # set by the weight swarm's service before the first heartbeat
+        self.probed_hardware = hardware
         self.api_url: str | None = None
         self.bootstrapped = trio.Event()
         self._latency_ms: dict[str, int] = {}
@@ -112,6 +104,7 @@ class Node:
         self._policy: PeerPolicy | None = None
         self._gossip: GossipService | None = None
         self._direct: DirectHeartbeats | None = None
+        self._context: NodeContext | None = None
 
     # -- accessors for the status API and tests ---------------------------------------------------------
 
@@ -140,6 +133,17 @@ class Node:
         return self._policy
 
     @property
+    def context(self) -> NodeContext:
+        """What the node's services get (and what a test drives a service with)."""
+        if self._context is None:
+            raise NodeError("the node is not running", reason="not_running")
+        return self._context
+
+    @property
+    def status_sections(self) -> dict[str, StatusSection]:
+        return self.reports.status_sections
+
+    @property
     def is_running(self) -> bool:
         return self._host is not None and self._policy is not None
 
@@ -153,17 +157,35 @@ class Node:
     def uptime(self) -> float:
         return self._clock.uptime() if self._clock else 0.0
 
+    def held(self) -> RecordPart:
+        """The record's role, hardware, versions, data-plane port and load, as the services report them."""
+        own = RecordPart(self.config.role, self.probed_hardware, (), 0, 0)
+        return self.reports.record(own)
+
+    @property
+    def role(self) -> str:
+        return self.held().role or self.config.role
+
+    @property
+    def versions_held(self) -> tuple[int, ...]:
+        return self.held().versions_held or ()
+
+    @property
+    def dataplane_port(self) -> int:
+        return self.held().dataplane_port or 0
+
     def record(self) -> PeerRecord:
+        held = self.held()
         return PeerRecord(
             address=self.key.address,
             peer_id=self.identity.peer_id,
-            role=self.config.role,
+            role=held.role or self.config.role,
             multiaddrs=tuple(self.advertised_multiaddrs()[:8]),
-            hardware=self.hardware,
-            versions_held=self.versions_held,
-            load_percent=self.load_percent,
+            hardware=held.hardware or self.probed_hardware,
+            versions_held=held.versions_held or (),
+            load_percent=held.load_percent or 0,
             software_version=__version__,
-            dataplane_port=self.dataplane_port,
+            dataplane_port=held.dataplane_port or 0,
         )
 
     def advertised_multiaddrs(self) -> list[str]:
@@ -182,22 +204,27 @@ class Node:
             async with self.open_host(self.key) as host, trio.open_nursery() as nursery:
                 self._host = host
                 self._policy = PeerPolicy(host, clock, self.metrics, nursery, self.scoring)
-                self._gossip = GossipService(
+                core = NodeCore(
                     host, self.key, self.config.run_id, clock, self.metrics, self._policy, nursery
                 )
+                self._gossip = GossipService(core)
                 await self._gossip.subscribe(HEARTBEAT_TOPIC, self._on_gossiped_record)
-                self._direct = DirectHeartbeats(
-                    host,
-                    self.key,
-                    self.config.run_id,
-                    clock,
-                    self.metrics,
-                    self._policy,
-                    nursery,
-                    self._on_direct_heartbeat,
+                self._direct = DirectHeartbeats(core, self._on_direct_heartbeat)
+                self._context = context = NodeContext(
+                    key=self.key,
+                    identity=self.identity,
+                    run_id=self.config.run_id,
+                    clock=clock,
+                    metrics=self.metrics,
+                    policy=self._policy,
+                    membership=self.membership,
+                    gossip=self._gossip,
+                    host=host,
+                    reports=self.reports,
+                    is_running=lambda: self.is_running,
                 )
                 for service in self.services:
-                    await nursery.start(service.run, self)
+                    await nursery.start(service.run, context)
                 if self.serve_api:
                     from prime_node.status.server import serve_status
 
@@ -388,7 +415,7 @@ class Node:
             "peer_id": self.identity.peer_id,
             "pid": os.getpid(),
             "run": self.config.run_id,
-            "role": self.config.role,
+            "role": self.role,
             "api": self.api_url if state == "running" else None,
         }
         if state == "running":

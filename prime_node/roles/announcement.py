@@ -38,8 +38,8 @@ from protocol.run_announcement import (
 )
 
 if TYPE_CHECKING:
+    from prime_node.node.context import NodeContext
     from prime_node.node.gossip import Delivered
-    from prime_node.node.service import Node
     from prime_node.p2p.interface import FramedStream
 
 log = logging.getLogger(__name__)
@@ -105,26 +105,26 @@ class RunAnnouncer(_Served):
         self.period = period
         self.config_json = announced_config(run_config, key.address)
 
-    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         announcement = RunAnnouncement(
             run_id=self.run_config.run_id,
             trainer=self.key.address,
             config_json=self.config_json,
-            issued_at_ms=node.gossip.clock.wall_ms(),
+            issued_at_ms=context.clock.wall_ms(),
         )
-        node.host.set_stream_handler(RUN_PROTOCOL, self.serve)
+        context.host.set_stream_handler(RUN_PROTOCOL, self.serve)
 
         async def ignore(message: Delivered) -> None:
             return None
 
-        await node.gossip.subscribe(RUN_TOPIC, ignore)  # joins the mesh, so our publishes propagate
+        await context.gossip.subscribe(RUN_TOPIC, ignore)  # joins the mesh, so our publishes propagate
         task_status.started()
         while True:
             # Re-sealed each period: a fresh envelope timestamp keeps it inside receivers' windows.
-            envelope = seal_announcement(self.key, announcement, now_ms=node.gossip.clock.wall_ms())
+            envelope = seal_announcement(self.key, announcement, now_ms=context.clock.wall_ms())
             self.frame = encode(envelope)
             try:
-                await node.gossip.publish(RUN_TOPIC, self.frame)
+                await context.gossip.publish(RUN_TOPIC, self.frame)
             except NodeError as exc:
                 log.debug("run announcement not gossiped: %s", exc)
             await trio.sleep(self.period)
@@ -150,7 +150,6 @@ class RunFollower(_Served):
         self.ask_interval = ask_interval
         self.refused: dict[str, int] = {}
         self._known = trio.Event()
-        self._node: Node | None = None
 
     @property
     def announcement(self) -> RunAnnouncement | None:
@@ -181,30 +180,31 @@ class RunFollower(_Served):
             self.frame = frame
         return announcement
 
-    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self._node = node
-        node.host.set_stream_handler(RUN_PROTOCOL, self.serve)
+    async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        context.host.set_stream_handler(RUN_PROTOCOL, self.serve)
 
         async def on_gossip(message: Delivered) -> None:
-            self.offer(message.payload, node.gossip.clock.wall_ms(), message.origin_peer_id)
+            self.offer(message.payload, context.clock.wall_ms(), message.origin_peer_id)
 
-        await node.gossip.subscribe(RUN_TOPIC, on_gossip)
+        await context.gossip.subscribe(RUN_TOPIC, on_gossip)
         task_status.started()
         asked: set[str] = set()
-        while not self._known.is_set():
-            for peer in node.host.connected_peers():
-                if peer not in asked:
-                    asked.add(peer)
-                    node.gossip.nursery.start_soon(self._ask, node, peer)
-            with trio.move_on_after(self.ask_interval):
-                await self._known.wait()
-            if not self._known.is_set() and len(asked) >= len(node.host.connected_peers()):
-                asked.clear()  # ask again: a peer may have learnt of the run since
+        async with trio.open_nursery() as asking:
+            while not self._known.is_set():
+                for peer in context.host.connected_peers():
+                    if peer not in asked:
+                        asked.add(peer)
+                        asking.start_soon(self._ask, context, peer)
+                with trio.move_on_after(self.ask_interval):
+                    await self._known.wait()
+                if not self._known.is_set() and len(asked) >= len(context.host.connected_peers()):
+                    asked.clear()  # ask again: a peer may have learnt of the run since
+            asking.cancel_scope.cancel()  # believed: the answers still on their way are not needed
 
-    async def _ask(self, node: Node, peer: str) -> None:
+    async def _ask(self, context: NodeContext, peer: str) -> None:
         try:
             with trio.fail_after(10):
-                stream = await node.host.open_stream(peer, RUN_PROTOCOL)
+                stream = await context.host.open_stream(peer, RUN_PROTOCOL)
                 try:
                     frame = await stream.receive_frame(MAX_FRAME)
                 finally:
@@ -213,4 +213,4 @@ class RunFollower(_Served):
             log.debug("asking %s for the run announcement failed: %s", peer, exc)
             return
         if frame is not None:
-            self.offer(frame, node.gossip.clock.wall_ms(), peer)
+            self.offer(frame, context.clock.wall_ms(), peer)

@@ -1,18 +1,20 @@
 """The inferer as a node service: newest policy in, proven and signed rollout batches out (DESIGN §1).
 
-It waits for the first complete checkpoint in the weight swarm, loads it into a ``TorchEngine`` (one
-torch thread: the node shares its cores with others), then loops: before each batch it switches to
-the newest complete policy the swarm holds, generates the scheduled batch for (its address, policy
-step, batch counter) with TOPLOC proofs in a worker thread, and gossips it signed. Counters start at
-the wall clock in ms and only grow, so a restarted inferer never repeats a draw.
+It waits for the first complete checkpoint in the weight swarm, loads it into an engine
+(``ml.engines.load_engine``; one torch thread: the node shares its cores with others), then loops:
+before each batch it switches to the newest complete policy the swarm holds, generates the scheduled
+batch for (its address, policy step, batch counter) with TOPLOC proofs in a worker thread, and gossips
+it signed. Counters start at the wall clock in ms and only grow, so a restarted inferer never repeats a
+draw.
 
 To avoid wasted work it produces at most ``batches_per_policy`` batches per policy step and then waits
 (briefly) for a newer one: batches of an old policy go stale at the trainer. Verdicts about its own
 batches are counted for the status section "rollouts" (and any rejection charges the worker, via
 ``ReputationService``, like on every node).
 
-``adversary`` (demo and tests only): instead of the honest batch, publish what a cheater of that kind
-(prime_node/testing/adversary.py) would; validators must reject every one.
+What it publishes for each batch comes from a ``RolloutProducer``: ``HonestProducer`` unless whoever
+builds the service passes another one — the demo's cheating inferer passes a ``CheatingProducer``
+(prime_node/verification/cheating.py), whose every batch validators must reject.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
+from protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
+    from prime_node.ml.engine import InferenceEngine
+    from prime_node.node.context import NodeContext
     from prime_node.node.gossip import Delivered
-    from prime_node.node.service import Node
+    from prime_node.tasks.base import TaskSource
 
 log = logging.getLogger(__name__)
 MAX_TRACKED_BATCHES = 4096
@@ -45,6 +50,87 @@ class PolicySource(Protocol):
     async def wait_newer(self, than: int | None) -> tuple[int, Path]: ...
 
 
+class RolloutProducer(Protocol):
+    """Turns the policy an inferer holds into the signed frames it gossips for one batch counter.
+
+    Called in a worker thread. ``adversary`` names the attack a cheating producer makes (None when
+    honest), for the status section."""
+
+    @property
+    def adversary(self) -> str | None: ...
+
+    def frames(
+        self,
+        *,
+        engine: InferenceEngine,
+        tokenizer: Any,
+        task: TaskSource,
+        policy_step: int,
+        counter: int,
+        now_ms: int,
+    ) -> list[bytes]: ...
+
+
+class HonestProducer:
+    """The scheduled batch with its TOPLOC proofs, sealed with the worker's key: one frame per counter.
+
+    Times each stage (generate, prove, sign) into ``stages``."""
+
+    adversary: str | None = None
+
+    def __init__(self, *, key: WalletKey, run_config: RunConfig, stages: StageTimes) -> None:
+        self.key = key
+        self.config = run_config
+        self.stages = stages
+
+    def frames(
+        self,
+        *,
+        engine: InferenceEngine,
+        tokenizer: Any,
+        task: TaskSource,
+        policy_step: int,
+        counter: int,
+        now_ms: int,
+    ) -> list[bytes]:
+        import time
+
+        import torch
+
+        from prime_node.ml.rollout_batch import make_batch
+        from prime_node.verification.proofs import build_proofs
+        from prime_node.verification.proving import seal_batch
+        from protocol.codec import encode
+
+        proving = 0.0
+
+        def timed_proofs(hiddens: list[torch.Tensor]) -> list[bytes]:
+            nonlocal proving
+            began = time.perf_counter()
+            try:
+                return build_proofs(hiddens)
+            finally:
+                proving = time.perf_counter() - began
+
+        began = time.perf_counter()
+        batch = make_batch(
+            engine,
+            task,
+            tokenizer,
+            self.config,
+            worker=self.key.address,
+            policy_step=policy_step,
+            batch_counter=counter,
+            prove=timed_proofs,
+        )
+        made = time.perf_counter()
+        frame = encode(seal_batch(self.key, batch, now_ms=now_ms))
+        self.stages.add("generate", made - began - proving)
+        self.stages.add("prove", proving)
+        self.stages.add("sign", time.perf_counter() - made)
+        return [frame]
+
+
 class InfererService:
     """See the module doc."""
 
@@ -54,27 +140,17 @@ class InfererService:
         key: WalletKey,
         run_config: RunConfig,
         swarm: PolicySource,
-        adversary: str | None = None,
+        producer: RolloutProducer | None = None,
         batches_per_policy: int = 1,
         policy_wait_s: float = 2.0,
-        subscribe: bool = True,
         max_in_flight: int = 2,
         verdict_timeout_s: float = 20.0,
     ) -> None:
-        if adversary is not None:
-            from prime_node.testing.adversary import ATTACKS
-
-            if adversary not in ATTACKS:
-                raise NodeError(
-                    f"unknown adversary {adversary!r}: one of {', '.join(ATTACKS)}", reason="bad_config"
-                )
         self.key = key
         self.config = run_config
         self.swarm = swarm
-        self.adversary = adversary
         self.batches_per_policy = batches_per_policy
         self.policy_wait_s = policy_wait_s
-        self.subscribe = subscribe
         self.max_in_flight = max_in_flight
         self.verdict_timeout_s = verdict_timeout_s
         self.waited_for_verdicts_s = 0.0
@@ -89,6 +165,11 @@ class InfererService:
         self.policy_step: int | None = None
         self.generate_s = 0.0
         self.stages = StageTimes()
+        self.producer: RolloutProducer = (
+            HonestProducer(key=key, run_config=run_config, stages=self.stages)
+            if producer is None
+            else producer
+        )
         self.mine: dict[bytes, int] = {}
         self._engine: Any = None
         self._tokenizer: Any = None
@@ -107,24 +188,23 @@ class InfererService:
             "in_flight": len(self._in_flight),
             "policy_waits": self.skipped_waits,
             "errors": dict(self.errors),
-            "adversary": self.adversary,
+            "adversary": self.producer.adversary,
             "stages": self.stages.summary(),
         }
 
-    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from prime_node.verification.reputation import ReputationService
         from prime_node.verification.topics import VERDICTS_TOPIC
 
-        node.status_sections["rollouts"] = self.status
+        context.add_status_section("rollouts", self.status)
         if self.config.trusted_validators:
-            self._reputation = ReputationService(run_config=self.config, subscribe=False)
-            self._reputation.attach(node)
-            if self.subscribe:  # else the role runner owns the topic and forwards verdicts here
-                await node.gossip.subscribe(VERDICTS_TOPIC, self.on_verdict)
+            self._reputation = ReputationService(run_config=self.config)
+            self._reputation.attach(context)  # charges offenders; this service reads the verdicts itself
+            await context.gossip.subscribe(VERDICTS_TOPIC, self.on_verdict)
         task_status.started()
         step, path = await self.swarm.wait_newer(None)
         await trio.to_thread.run_sync(self._load, step, path)
-        counter = node.gossip.clock.wall_ms()
+        counter = context.clock.wall_ms()
         made_for_policy = 0
         while True:
             newest = self.swarm.newest()
@@ -150,10 +230,8 @@ class InfererService:
             await self._backpressure()
             started = trio.current_time()
             try:
-                frames = await trio.to_thread.run_sync(
-                    self._make_frames, counter, node.gossip.clock.wall_ms()
-                )
-            except (NodeError, ValueError, RuntimeError) as exc:
+                frames = await trio.to_thread.run_sync(self._make_frames, counter, context.clock.wall_ms())
+            except (NodeError, ProtocolError, ValueError, RuntimeError) as exc:
                 self.errors[type(exc).__name__] += 1
                 log.warning("batch %d not produced: %s", counter, exc)
                 await trio.sleep(1.0)
@@ -164,7 +242,7 @@ class InfererService:
             made_for_policy += 1
             self.produced += 1
             published = trio.current_time()
-            await self._publish(node, frames)
+            await self._publish(context, frames)
             self.stages.add("publish", trio.current_time() - published)
 
     async def _backpressure(self) -> None:
@@ -198,12 +276,12 @@ class InfererService:
 
     # -- publishing and verdicts ---------------------------------------------------------------------
 
-    async def _publish(self, node: Node, frames: list[bytes]) -> None:
+    async def _publish(self, context: NodeContext, frames: list[bytes]) -> None:
         from prime_node.verification.topics import publish_frame
 
         for frame in frames:
             try:
-                batch_id = await publish_frame(node, frame)
+                batch_id = await publish_frame(context, frame)
             except NodeError as exc:
                 self.errors[exc.reason] += 1
                 log.warning("rollout batch not published: %s", exc)
@@ -238,20 +316,14 @@ class InfererService:
     def _load(self, step: int, path: Path) -> None:
         import torch
 
-        from prime_node.ml.engine import TorchEngine
-        from prime_node.ml.model import load_model
+        from prime_node.ml.engines import load_engine
         from prime_node.ml.tokenizer import load_tokenizer
         from prime_node.tasks.factory import build_task
 
         torch.set_num_threads(1)
         self._tokenizer = load_tokenizer(path)
         self._task = build_task(self.config.task)
-        self._engine = TorchEngine(
-            load_model(path),
-            eos_token_id=self._tokenizer.eos_token_id,
-            pad_token_id=self._tokenizer.pad_token_id,
-            policy_step=step,
-        )
+        self._engine = load_engine(path, self._tokenizer, engine=self.config.engine, policy_step=step)
         self.policy_step = step
         log.info("inferer loaded policy %d from %s", step, path)
 
@@ -268,56 +340,11 @@ class InfererService:
 
         torch.set_num_threads(1)
         assert self.policy_step is not None
-        if self.adversary is not None:
-            return self._attack_frames(counter, now_ms)
-        import time
-
-        from prime_node.ml.rollout_batch import make_batch
-        from prime_node.verification.proofs import build_proofs
-        from prime_node.verification.proving import seal_batch
-        from protocol.codec import encode
-
-        proving = 0.0
-
-        def timed_proofs(hiddens: list[torch.Tensor]) -> list[bytes]:
-            nonlocal proving
-            began = time.perf_counter()
-            try:
-                return build_proofs(hiddens)
-            finally:
-                proving = time.perf_counter() - began
-
-        began = time.perf_counter()
-        batch = make_batch(
-            self._engine,
-            self._task,
-            self._tokenizer,
-            self.config,
-            worker=self.key.address,
-            policy_step=self.policy_step,
-            batch_counter=counter,
-            prove=timed_proofs,
-        )
-        made = time.perf_counter()
-        frame = encode(seal_batch(self.key, batch, now_ms=now_ms))
-        self.stages.add("generate", made - began - proving)
-        self.stages.add("prove", proving)
-        self.stages.add("sign", time.perf_counter() - made)
-        return [frame]
-
-    def _attack_frames(self, counter: int, now_ms: int) -> list[bytes]:
-        from prime_node.testing.adversary import Scenario
-
-        assert self.adversary is not None and self.policy_step is not None
-        if self.adversary == "stale_policy" and self.policy_step - self.config.async_level - 1 < 0:
-            raise ValueError("no policy old enough to be stale yet")
-        scenario = Scenario(
-            config=self.config,
-            task=self._task,
-            tokenizer=self._tokenizer,
+        return self.producer.frames(
             engine=self._engine,
-            key=self.key,
-            current_step=self.policy_step,
+            tokenizer=self._tokenizer,
+            task=self._task,
+            policy_step=self.policy_step,
+            counter=counter,
             now_ms=now_ms,
         )
-        return scenario.attack_frames(self.adversary, counter)

@@ -10,12 +10,16 @@ swarm already re-serves every piece this node holds.
 
 Demand (advisory; it only steers roles, never admission): live inferers and validators from peer
 records' ``role``; the backlog is the number of rollout batches gossiped in the last minute that no
-verdict has named yet (a validator uses its own queue length instead, since it consumes the rollouts
-topic itself).
+verdict has named yet (a validator uses its own queue length instead).
+
+The runner reports the chosen role and the hardware ``--gpu`` selected as a part of the node's peer
+record (``NodeContext.add_record_source``). Each role's services run on ``context.scoped()``: their
+gossip subscriptions end with the role, beside the runner's own (gossip fans out to every subscriber).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from pathlib import Path
@@ -26,12 +30,13 @@ import trio
 from crypto.keys import Address, WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
+from prime_node.node.context import RecordPart
 from prime_node.roles.announcement import RunFollower, worker_run_config
 
 if TYPE_CHECKING:
     from prime_node.hardware import GpuSelection
+    from prime_node.node.context import NodeContext
     from prime_node.node.gossip import Delivered
-    from prime_node.node.service import Node
     from prime_node.swarm.service import SwarmService
     from protocol.roles import HardwareProfile, RoleDecision, RoleState, RunRequirements
 
@@ -141,7 +146,7 @@ class RoleRunner:
         self.switches = 0
         self._scope: trio.CancelScope | None = None
         self._stopped = trio.Event()
-        self._node: Node | None = None
+        self._advertised: RecordPart | None = None
 
     @property
     def role(self) -> str:
@@ -158,38 +163,42 @@ class RoleRunner:
             "switches": self.switches,
         }
 
-    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    def record_part(self) -> RecordPart:
+        """The role chosen and the hardware --gpu selected, once known (else the node's own view)."""
+        return self._advertised or RecordPart()
+
+    async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from prime_node.hardware import probe, to_summary
 
-        self._node = node
-        node.status_sections["role"] = self.status
+        context.add_status_section("role", self.status)
+        context.add_record_source(self.record_part)
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.follower.run, node)
+            await nursery.start(self.follower.run, context)
             task_status.started()
             preloaded = trio.Event()  # transformers' lazy imports race across threads (E2: demo crashes)
             nursery.start_soon(_preload_in_thread, preloaded)
             self.profile = await trio.to_thread.run_sync(probe, self.gpus, self.data_dir)
-            node.hardware = to_summary(self.profile)  # heartbeats show the GPUs --gpu selected
+            self._advertised = RecordPart(hardware=to_summary(self.profile))
             announcement = await self.follower.wait()
             self.config = config = worker_run_config(announcement, output_dir=self.data_dir / "run")
             self.swarm.trainer = announcement.trainer
             self.swarm.keep = max(self.swarm.keep, config.async_level + 1)
-            await self._tap(node)
+            await self._tap(context)
             self.reason = "waiting for the first checkpoint"
             _, path = await self.swarm.wait_newer(None)
             requirements = requirements_for(config, path)
             await preloaded.wait()  # before any role thread imports transformers itself
             while True:
-                decision = self._decide(node, requirements)
+                decision = self._decide(context, requirements)
                 self.reason = decision.reason
                 if self.state is None or decision.role != self.state.role:
-                    await self._switch(node, nursery, decision, config)
+                    await self._switch(context, nursery, decision, config)
                 self.state = decision.next_state(self.state, trio.current_time())
                 if self.pinned is not None:
                     await trio.sleep_forever()
                 await trio.sleep(self.interval)
 
-    def _decide(self, node: Node, requirements: RunRequirements) -> RoleDecision:
+    def _decide(self, context: NodeContext, requirements: RunRequirements) -> RoleDecision:
         from protocol.errors import LocalProtocolError
         from protocol.roles import RolePolicyConfig, SwarmDemand, choose_role
 
@@ -197,8 +206,8 @@ class RoleRunner:
         inferers = validators = 0
         from protocol.membership import PeerState
 
-        healthy = set(node.peers_in(PeerState.HEALTHY))
-        for member in node.membership.members():
+        healthy = set(context.peers_in(PeerState.HEALTHY))
+        for member in context.membership.members():
             if member.peer_id in healthy:
                 inferers += member.record.role == "inferer"
                 validators += member.record.role == "validator"
@@ -219,80 +228,86 @@ class RoleRunner:
             raise NodeError(str(exc), reason="bad_role") from exc
 
     async def _switch(
-        self, node: Node, nursery: trio.Nursery, decision: RoleDecision, config: RunConfig
+        self, context: NodeContext, nursery: trio.Nursery, decision: RoleDecision, config: RunConfig
     ) -> None:
-        previous = self.state.role if self.state is not None else None
         if self._scope is not None:
             self._scope.cancel()
             await self._stopped.wait()
             self._scope = None
         self.service = None
-        if previous == "validator" and self.pinned is None:  # it had taken over the topic: count again
-            from prime_node.verification.topics import ROLLOUTS_TOPIC
-
-            await node.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
         role = decision.role
-        node.config = node.config.model_copy(update={"role": role})
+        self._advertised = dataclasses.replace(self.record_part(), role=role)
         log.info("role: %s (%s)", role, decision.reason)
         if self.state is not None:
             self.switches += 1
-        service = self._build(node, role, config)
-        if service is None:
+        services = self._build(role, config)
+        if not services:
             return
-        self.service = service
+        self.service = services[-1]
         self._stopped = trio.Event()
-        await nursery.start(self._run_service, node, service)
+        await nursery.start(self._run_services, context, services)
 
-    async def _run_service(
-        self, node: Node, service: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    async def _run_services(
+        self, context: NodeContext, services: list[Any], *, task_status: Any = trio.TASK_STATUS_IGNORED
     ) -> None:
+        """The role's services, on a scoped context: cancelling the role also ends its subscriptions."""
+        main = services[-1]
         with trio.CancelScope() as scope:
             self._scope = scope
             try:
-                await service.run(node, task_status=task_status)
+                with context.scoped() as role_context:
+                    async with trio.open_nursery() as nursery:
+                        for service in services:
+                            await nursery.start(service.run, role_context)
+                        task_status.started()
             finally:
                 self._stopped.set()
-        if self.service is service and not scope.cancelled_caught:
+        if self.service is main and not scope.cancelled_caught:
             log.info("the %s service ended", self.role)
 
-    def _build(self, node: Node, role: str, config: RunConfig) -> Any:
+    def _build(self, role: str, config: RunConfig) -> list[Any]:
+        """The role's services, the one whose status steers the policy last."""
         if role == "inferer":
             from prime_node.roles.inferer_service import InfererService
+            from prime_node.verification.cheating import CheatingProducer
 
-            return InfererService(
-                key=self.key, run_config=config, swarm=self.swarm, adversary=self.adversary, subscribe=False
+            cheat = (
+                None
+                if self.adversary is None
+                else CheatingProducer(self.adversary, key=self.key, run_config=config)
             )
+            return [InfererService(key=self.key, run_config=config, swarm=self.swarm, producer=cheat)]
         if role == "validator":
             from prime_node.verification.reputation import ReputationService
-            from prime_node.verification.service import ValidatorService
+            from prime_node.verification.service import ValidatorService, ValidatorSettings
 
-            reputation = ReputationService(run_config=config, subscribe=False)
-            reputation.attach(node)
-            return ValidatorService(
+            reputation = ReputationService(run_config=config)  # hears verdicts, charges rejected workers
+            validator = ValidatorService(
                 key=self.key,
                 run_config=config,
                 locate=self.swarm.locate,
                 current_step=self._current_step,
                 reputation=reputation,
-                keep_policies=config.async_level + 1,
+                settings=ValidatorSettings(keep_policies=config.async_level + 1),
                 policies_changed=self.swarm.wait_changed,
             )
+            return [reputation, validator]
         if role == "trainer":
             self.reason += " (this node holds the trainer key: run `prime-node run-trainer` to train)"
-        return None  # seeder (or trainer key holder): the weight swarm re-serves pieces by itself
+        return []  # seeder (or trainer key holder): the weight swarm re-serves pieces by itself
 
     def _current_step(self) -> int:
         newest = self.swarm.newest()
         return newest[0] if newest is not None else 0
 
-    # -- demand taps: the runner owns the rollouts (unless validating) and verdicts topics ---------------
+    # -- demand taps: the runner hears rollouts (unless pinned) and verdicts beside the role's services --
 
-    async def _tap(self, node: Node) -> None:
+    async def _tap(self, context: NodeContext) -> None:
         from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
 
-        await node.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
+        await context.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
         if self.pinned is None:  # only the policy needs the backlog: receiving every batch costs CPU
-            await node.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
+            await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
 
     async def _on_rollout(self, message: Delivered) -> None:
         from crypto.digests import blake3
@@ -305,9 +320,6 @@ class RoleRunner:
         from protocol.errors import ProtocolError
         from protocol.verdict import Verdict
 
-        service = self.service
-        if service is not None and hasattr(service, "on_verdict"):
-            await service.on_verdict(message)  # the inferer counts (verified) verdicts on its batches
         try:
             verdict = decode(decode(message.payload, Envelope).payload, Verdict)
         except ProtocolError:

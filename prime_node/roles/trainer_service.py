@@ -36,7 +36,7 @@ from prime_node.roles.gather import STALE_IN_QUEUE, Candidate, StepGatherer
 if TYPE_CHECKING:
     from prime_node.ml.session import TrainingSession, Weights
     from prime_node.ml.trainer import Prepared, StepMetrics
-    from prime_node.node.service import Node
+    from prime_node.node.context import NodeContext
     from protocol.rollouts import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -176,14 +176,17 @@ class TrainerService:
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
-    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        node.config = node.config.model_copy(update={"role": "trainer"})
+    async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        from prime_node.node.context import RecordPart
+
+        trainer = RecordPart(role="trainer")
+        context.add_record_source(lambda: trainer)  # peers see this node as the run's trainer
         self.started_at = trio.current_time()
         self.session = await trio.to_thread.run_sync(self._open)
         self.step = self.start_step = self.session.step
         policy = await trio.to_thread.run_sync(self._write_policy, self.step)
         await self._share(policy, self.step)
-        node.status_sections["training"] = self.status
+        context.add_status_section("training", self.status)
         task_status.started()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._intake)

@@ -47,7 +47,7 @@ def snapshot(node: Node) -> dict[str, Any]:
         "version": SNAPSHOT_VERSION,
         "address": node.identity.address,
         "peer_id": node.identity.peer_id,
-        "role": node.config.role,
+        "role": node.role,
         "run": node.config.run_id,
         "uptime_s": round(node.uptime(), 2),
         "multiaddrs": node.advertised_multiaddrs() if running else [],

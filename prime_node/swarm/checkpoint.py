@@ -7,8 +7,6 @@ one piece whatever the checkpoint's size.
 
 from __future__ import annotations
 
-import errno
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +14,10 @@ from pathlib import Path
 from blake3 import blake3
 
 from crypto.keys import WalletKey
+from prime_node.atomic_files import node_error_from_os
 from prime_node.errors import NodeError
 from protocol.envelope import Envelope
+from protocol.errors import InvariantError
 from protocol.manifest import (
     MAX_FILES,
     MAX_PIECE_SIZE,
@@ -53,16 +53,6 @@ class SharedCheckpoint:
         return self.manifest.id()
 
 
-def node_error_from_os(exc: OSError, action: str) -> NodeError:
-    """One clear line for the errors a user can fix (a full disk, a permission), with a stable reason."""
-    where = f" {exc.filename}" if exc.filename else ""
-    if exc.errno == errno.ENOSPC:
-        return NodeError(f"disk full while {action}{where}", reason="disk_full")
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return NodeError(f"permission denied while {action}{where}", reason="permission_denied")
-    return NodeError(f"cannot {action}{where}: {exc.strerror or exc}", reason="io_error")
-
-
 def list_model_files(directory: Path) -> list[tuple[str, int]]:
     """(relative path, size) of every regular file under ``directory``, checked and in path order."""
     if not directory.is_dir():
@@ -77,7 +67,7 @@ def list_model_files(directory: Path) -> list[tuple[str, int]]:
                 raise NodeError(f"{relative} in {directory} is not a regular file", reason="bad_model_file")
             try:
                 check_relative_path(relative)
-            except ValueError as exc:
+            except InvariantError as exc:
                 raise NodeError(f"cannot share {relative}: {exc}", reason="bad_model_file") from exc
             files.append((relative, path.stat().st_size))
     except OSError as exc:
@@ -151,7 +141,7 @@ def build_checkpoint(
         manifest = build_manifest(
             run=run, step=step, piece_size=size, files=files, piece_hashes=hashes, signer=key.address
         )
-    except ValueError as exc:
+    except InvariantError as exc:
         raise NodeError(f"cannot describe {directory}: {exc}", reason="bad_manifest") from exc
     return SharedCheckpoint(manifest, sign_manifest(key, manifest, now_ms=now_ms), directory)
 
@@ -171,12 +161,3 @@ def read_piece_from_files(directory: Path, manifest: Manifest, index: int) -> by
     except OSError as exc:
         raise node_error_from_os(exc, f"reading {directory}") from exc
     return bytes(out)
-
-
-def fsync_directory(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from blake3 import blake3
 
+from prime_node.atomic_files import fsync_directory, node_error_from_os, write_atomically
 from prime_node.errors import NodeError
-from prime_node.swarm.checkpoint import fsync_directory, node_error_from_os
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import Manifest
@@ -80,7 +80,7 @@ class PieceStore:
         try:
             manifest_path = directory / MANIFEST_FILE
             if not manifest_path.exists():
-                _write_atomically(manifest_path, encode(manifest))
+                write_atomically(manifest_path, encode(manifest))
             data_path = directory / DATA_FILE
             fd = os.open(data_path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -95,6 +95,9 @@ class PieceStore:
             if exc.errno == errno.ENOSPC:
                 _truncate_quietly(directory / DATA_FILE)
             raise node_error_from_os(exc, f"preparing {directory}") from exc
+        except NodeError:
+            os.close(lock_fd)
+            raise
         store = cls(directory, manifest, 0, lock_fd)
         try:
             store.have = store._recheck(store._load_progress())
@@ -134,7 +137,9 @@ class PieceStore:
         return good
 
     def _save_progress(self) -> None:
-        _write_atomically(self.directory / PROGRESS_FILE, to_wire(self.have, self.manifest.piece_count))
+        """Not fsynced: it is rewritten after every piece, and ``open`` re-hashes every claimed piece."""
+        progress = to_wire(self.have, self.manifest.piece_count)
+        write_atomically(self.directory / PROGRESS_FILE, progress, durable=False)
 
     # --- pieces -----------------------------------------------------------------------------------------
 
@@ -167,11 +172,14 @@ class PieceStore:
                     raise OSError(errno.EIO, "short write", str(self.directory / DATA_FILE))
             finally:
                 os.close(fd)
-            self.have |= 1 << index
-            self._save_progress()
         except OSError as exc:
-            self.have &= ~(1 << index)
             raise node_error_from_os(exc, f"writing piece {index} to {self.directory}") from exc
+        self.have |= 1 << index
+        try:
+            self._save_progress()
+        except NodeError:
+            self.have &= ~(1 << index)
+            raise
         return True
 
     def read(self, index: int) -> bytes:
@@ -260,13 +268,6 @@ def lock_store(path: Path) -> int:
             f"{path.parent} is in use by another prime-node process", reason="store_busy"
         ) from None
     return fd
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-    os.replace(temporary, path)
 
 
 def _truncate_quietly(path: Path) -> None:

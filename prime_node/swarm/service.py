@@ -1,117 +1,65 @@
 """The weight swarm as a node service: share, announce, discover, fetch and re-serve checkpoints.
 
 One ``CheckpointTransfer`` per version, all over one data plane (prime_node/swarm/transport.py): every
-frame names its manifest id and is routed to that version's transfer. On a channel, each side sends an
-``Offer`` for every version it holds or fetches; a version's session between two peers starts when both
-have offered it, so both bitfields arrive after both sides are ready. A peer that lacks a manifest asks
-for it with ``ManifestRequest``; only manifests whose envelope the run's trainer signed are accepted
-(``fetch`` by id also accepts an id-pinned manifest when no trainer is configured).
+frame names its manifest id and is routed to that version's transfer. Who offered what, which manifests
+we wait for, which versions to follow and which to drop is decided by the sans-IO catalogue
+(protocol/swarm/catalogue.py). This service composes the parts that do the I/O around it:
 
-The trainer announces each version on the gossip topic ``checkpoints`` (the signed manifest inside when it
-fits, else its id); with ``follow`` a node fetches every trainer-signed version it hears of by itself,
-newest first, and keeps the newest ``keep`` complete versions (K = async level + 1).
+- ``VersionExchange`` (exchange.py): the data plane, offers and manifest requests, frame routing, bans;
+- ``Holdings`` (holdings.py): the versions held, their transfers, stores and files (store_layout.py);
+- ``keep_neighbours`` (neighbours.py): which members to connect to;
+- here: gossip announcements, sharing, fetching, following and restoring after a restart.
 
-On disk, under ``store_dir``: ``manifests/<id>.envelope`` (the signed manifest), ``pieces/<id>/`` (a
-PieceStore while fetching) and ``checkpoints/step-<step>-<id>/`` (the complete directory; once it exists
-the pieces are deleted and the version is served from the directory's files). A restarted node re-serves
-complete versions and resumes unfinished ones from their verified pieces.
+Only manifests whose envelope the run's trainer signed are accepted (``fetch`` by id also accepts an
+id-pinned manifest when no trainer is configured). The trainer announces each version on the gossip
+topic ``CHECKPOINTS_TOPIC`` (protocol/topics.py), the signed manifest inside when it fits, else its id;
+with ``follow`` a node fetches every trainer-signed version it hears of by itself, newest first, and
+keeps the newest ``keep`` complete versions (K = async level + 1). A restarted node re-serves complete
+versions and resumes unfinished ones from their verified pieces.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import random
-import shutil
-import time
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
-from crypto.digests import blake3
-from crypto.identity import address_from_peer_id
 from crypto.keys import Address, WalletKey
+from prime_node.dataplane.streams import TCP, StreamTransport
 from prime_node.errors import NodeError
+from prime_node.node.clock import NodeClock
+from prime_node.node.context import NodeContext, RecordPart
 from prime_node.node.gossip import Delivered
-from prime_node.swarm.checkpoint import build_checkpoint, node_error_from_os
-from prime_node.swarm.piece_store import PieceStore
-from prime_node.swarm.transfer import CheckpointTransfer, OriginDirectory, PieceSource
-from prime_node.swarm.transport import DataPlane
-from protocol.codec import Message, decode, decode_any, encode
+from prime_node.swarm.checkpoint import build_checkpoint
+from prime_node.swarm.exchange import VersionExchange
+from prime_node.swarm.holdings import Holdings
+from prime_node.swarm.neighbours import MAX_NEIGHBOURS, keep_neighbours
+from prime_node.swarm.store_layout import StoreLayout
+from prime_node.swarm.transfer import OriginDirectory
+from prime_node.swarm.versions import Version, open_known
+from protocol.codec import decode, encode
 from protocol.envelope import Envelope
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import Manifest, open_manifest
+from protocol.peer_record import peer_id_of
 from protocol.scoring import Offence
-from protocol.swarm.messages import (
-    MAX_ANNOUNCED_ENVELOPE_BYTES,
-    Announce,
-    ManifestEnvelope,
-    ManifestRequest,
-    Offer,
-    Piece,
-    Reject,
-    Request,
-)
-from protocol.swarm.node import SwarmConfig
-
-if TYPE_CHECKING:
-    from prime_node.node.service import Node
+from protocol.swarm.catalogue import Catalogue, CatalogueAction
+from protocol.swarm.messages import MAX_ANNOUNCED_ENVELOPE_BYTES, Announce
+from protocol.topics import CHECKPOINTS_TOPIC
 
 log = logging.getLogger(__name__)
 
-TOPIC = "checkpoints"
 STATUS_SECTION = "checkpoints"
-MAX_NEIGHBOURS = 12
-MAX_TRACKED_OFFERS = 256
-AVAILABILITY_BINS = 64
 TICK = 1.0
-NOT_BANNED_FOR = ("unresponsive", "banned")
-
-
-@dataclass
-class Version:
-    """One checkpoint version this node holds, seeds or fetches."""
-
-    manifest: Manifest
-    envelope: Envelope
-    transfer: CheckpointTransfer
-    store: PieceStore | None
-    path: Path | None
-    origin: bool
-    resumed_pieces: int = 0
-    target: Path | None = None
-    """Where a fetched version is to be written (None: inside the store)."""
-    offered_to: set[Address] = field(default_factory=set)
-    offered_by: set[Address] = field(default_factory=set)
-    done: trio.Event = field(default_factory=trio.Event)
-    error: NodeError | None = None
-
-    @property
-    def step(self) -> int:
-        return self.manifest.step
-
-    @property
-    def state(self) -> str:
-        if self.origin:
-            return "seeding"
-        return "complete" if self.path is not None else "fetching"
-
-
-@dataclass
-class ManifestWait:
-    """A manifest asked of peers: who was asked, and the outcome."""
-
-    asked: set[Address] = field(default_factory=set)
-    found: trio.Event = field(default_factory=trio.Event)
-    result: tuple[Envelope, Manifest] | None = None
-    error: NodeError | None = None
 
 
 class SwarmService:
     """See the module doc. Start it as a node service; the public API is ``share``, ``fetch``,
-    ``locate``, ``newest``, ``wait_newer`` and ``progress``."""
+    ``locate``, ``newest``, ``wait_newer``, ``wait_changed``, ``progress`` and ``status``."""
 
     def __init__(
         self,
@@ -127,67 +75,132 @@ class SwarmService:
         upload: bool = True,
         max_neighbours: int = MAX_NEIGHBOURS,
         seed: int | None = None,
+        transport: StreamTransport = TCP,
     ) -> None:
         if keep < 1:
             raise NodeError("keep must be at least 1", reason="bad_config")
         self.key = key
         self.run_id = run_id
-        self.trainer = trainer
         self.store_dir = store_dir
+        self.layout = StoreLayout(store_dir)
         self.dataplane_host = dataplane_host
         self.dataplane_port = dataplane_port
-        self.keep = keep
-        self.follow = follow
-        self.upload = upload
         self.max_neighbours = max_neighbours
         self.rng = random.Random(seed)
-        self.versions: dict[bytes, Version] = {}
-        self.offers: dict[bytes, dict[Address, int]] = {}
-        self.waits: dict[bytes, ManifestWait] = {}
-        self.known: dict[bytes, Envelope] = {}
-        self.following: set[bytes] = set()
-        self.changed = trio.Event()
-        self.dataplane = DataPlane(key, on_up=self._on_up, on_frame=self._on_frame, on_down=self._on_down)
-        self._node: Node | None = None
+        self.catalogue: Catalogue[Address] = Catalogue(keep=keep, follow=False)
+        self._trainer = trainer
+        self._follow = follow
+        self._sync_follow()
+        self.holdings = Holdings(
+            self.layout,
+            rng=self.rng,
+            upload=upload,
+            # Late-bound: the exchange and its data plane come next (and a test swaps ``dataplane.send``).
+            send=lambda peer, frame: self.dataplane.send(peer, frame),  # type: ignore[arg-type]  # noqa: PLW0108
+            close=lambda peer, why: self.exchange.on_transfer_close(peer, why),  # type: ignore[arg-type]  # noqa: PLW0108
+            on_complete=self._on_complete,
+        )
+        self.versions = self.holdings.versions
+        self.known = self.holdings.known
+        self.exchange = VersionExchange(
+            key,
+            self.catalogue,
+            self.holdings,
+            now=self._now,
+            trainer=lambda: self.trainer,
+            on_follow=self._start_following,
+            on_drop=self._on_drop,
+            on_offence=self._offence,
+            transport=transport,
+        )
+        self.dataplane = self.exchange.dataplane
+        self._context: NodeContext | None = None
         self._nursery: trio.Nursery | None = None
+        self._port: int | None = None
+
+    # --- settings the role runner changes once the run is announced -----------------------------------
+
+    @property
+    def trainer(self) -> Address | None:
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: Address | None) -> None:
+        self._trainer = trainer
+        self._sync_follow()
+
+    @property
+    def follow(self) -> bool:
+        return self._follow
+
+    @follow.setter
+    def follow(self, follow: bool) -> None:
+        self._follow = follow
+        self._sync_follow()
+
+    @property
+    def keep(self) -> int:
+        return self.catalogue.keep
+
+    @keep.setter
+    def keep(self, keep: int) -> None:
+        self.catalogue.keep = keep
+
+    def _sync_follow(self) -> None:
+        """Only trainer-signed versions are followed, so following waits until the trainer is known."""
+        self.catalogue.follow = self._follow and self._trainer is not None
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
-    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self._node = node
-        try:
-            for sub in ("manifests", "pieces", "checkpoints"):
-                (self.store_dir / sub).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise node_error_from_os(exc, f"preparing {self.store_dir}") from exc
+    async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self._context = context
+        self.layout.prepare()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                port = await nursery.start(self.dataplane.run, self.dataplane_host, self.dataplane_port)
-                node.dataplane_port = port  # before Node.run starts heartbeating: peers learn it at once
-                await node.gossip.subscribe(TOPIC, self._on_announce)
-                node.status_sections[STATUS_SECTION] = self.status
+                self._port = await nursery.start(self.dataplane.run, self.dataplane_host, self.dataplane_port)
+                # Before the node's first heartbeat, so peers learn the data-plane port at once.
+                context.add_record_source(self._record_part)
+                await context.gossip.subscribe(CHECKPOINTS_TOPIC, self._on_announce)
+                context.add_status_section(STATUS_SECTION, self.status)
                 self._restore()
                 nursery.start_soon(self._tick_loop)
-                nursery.start_soon(self._neighbour_loop)
+                neighbours = partial(
+                    keep_neighbours,
+                    self.dataplane,
+                    context,
+                    own=self.key.address,
+                    max_neighbours=self.max_neighbours,
+                    rng=self.rng,
+                )
+                nursery.start_soon(neighbours)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
-            for version in self.versions.values():
-                if version.store is not None:
-                    version.store.close()
+            self.holdings.close_stores()
 
     @property
-    def node(self) -> Node:
-        if self._node is None:
+    def context(self) -> NodeContext:
+        if self._context is None:
             raise NodeError("the swarm service is not running", reason="not_running")
-        return self._node
+        return self._context
 
     @property
     def nursery(self) -> trio.Nursery:
         if self._nursery is None:
             raise NodeError("the swarm service is not running", reason="not_running")
         return self._nursery
+
+    @property
+    def clock(self) -> NodeClock:
+        return self.context.clock
+
+    def _now(self) -> float:
+        return self.clock.now()
+
+    def _record_part(self) -> RecordPart:
+        """What this service adds to the node's peer record: its data-plane port and the steps held."""
+        return RecordPart(versions_held=self.holdings.held_steps(), dataplane_port=self._port)
 
     # --- public API -----------------------------------------------------------------------------------
 
@@ -200,27 +213,23 @@ class SwarmService:
                 f"(this key is {self.key.address})",
                 reason="not_trainer",
             )
+        now_ms = self.clock.wall_ms()
         shared = await trio.to_thread.run_sync(
             lambda: build_checkpoint(
-                directory,
-                self.key,
-                run=self.run_id,
-                step=step,
-                now_ms=int(time.time() * 1000),
-                piece_size=piece_size,
+                directory, self.key, run=self.run_id, step=step, now_ms=now_ms, piece_size=piece_size
             )
         )
         manifest, envelope = shared.manifest, shared.envelope
         mid = manifest.id()
         if mid not in self.versions:
             source = OriginDirectory(directory, manifest)
-            self._add_version(manifest, envelope, source, store=None, path=directory, origin=True)
+            self._hold(self.holdings.add(manifest, envelope, source, store=None, path=directory, origin=True))
         payload = encode(envelope)
         announce = Announce(
             mid, self.run_id, step, payload if len(payload) <= MAX_ANNOUNCED_ENVELOPE_BYTES else b""
         )
         try:
-            await self.node.gossip.publish(TOPIC, encode(announce))
+            await self.context.gossip.publish(CHECKPOINTS_TOPIC, encode(announce))
         except NodeError as exc:
             log.info("checkpoint announcement not gossiped (peers will still learn it on connect): %s", exc)
         log.info("sharing step %d as %s (%d pieces)", step, mid.hex(), manifest.piece_count)
@@ -241,54 +250,36 @@ class SwarmService:
         assert version.path is not None
         return version.path
 
+    async def get_manifest(self, mid: bytes) -> tuple[Envelope, Manifest]:
+        """The signed manifest ``mid``, from memory or asked of every neighbour (waits until one answers;
+        NodeError ``wrong_signer`` if it is not the trainer's)."""
+        return await self.exchange.get_manifest(mid)
+
     def locate(self, step: int) -> Path | None:
         """The complete, verified directory of ``step``, if held."""
-        for version in self.versions.values():
-            if version.step == step and version.path is not None and version.done.is_set():
-                return version.path
-        return None
+        return self.holdings.locate(step)
 
     def newest(self) -> tuple[int, Path] | None:
-        held = [(v.step, v.path) for v in self.versions.values() if v.path is not None and v.done.is_set()]
-        return max(held, key=lambda item: item[0]) if held else None
+        return self.holdings.newest()
 
     async def wait_newer(self, than: int | None) -> tuple[int, Path]:
         """Wait until a complete checkpoint with a step above ``than`` (any, if None) is held."""
-        while True:
-            newest = self.newest()
-            if newest is not None and (than is None or newest[0] > than):
-                return newest
-            await self.changed.wait()
+        return await self.holdings.wait_newer(than)
 
     async def wait_changed(self) -> None:
         """Return at the next change of the held versions (one completed, dropped or added)."""
-        await self.changed.wait()
+        await self.holdings.changed.wait()
 
     def progress(self, manifest_id: bytes) -> tuple[int, int] | None:
         """(pieces held, piece count) of a version, or None if unknown."""
-        version = self.versions.get(manifest_id)
-        if version is None:
-            return None
-        return version.transfer.node.have.bit_count(), version.manifest.piece_count
+        return self.holdings.progress(manifest_id)
 
     def resumed_pieces(self, manifest_id: bytes) -> int:
-        version = self.versions.get(manifest_id)
-        return version.resumed_pieces if version is not None else 0
+        return self.holdings.resumed_pieces(manifest_id)
 
     def status(self) -> dict[str, Any]:
-        versions = sorted(self.versions.values(), key=lambda v: v.step, reverse=True)
         return {
-            "versions": [
-                {
-                    "step": v.step,
-                    "manifest_id": v.manifest.id().hex(),
-                    "pieces": v.manifest.piece_count,
-                    "have": v.transfer.node.have.bit_count(),
-                    "state": v.state,
-                    "availability": availability(v),
-                }
-                for v in versions
-            ],
+            "versions": self.holdings.status(),
             "bytes_in": self.dataplane.bytes_in,
             "bytes_out": self.dataplane.bytes_out,
             "peers": len(self.dataplane.links),
@@ -296,204 +287,79 @@ class SwarmService:
 
     # --- versions -------------------------------------------------------------------------------------
 
-    def _add_version(
-        self,
-        manifest: Manifest,
-        envelope: Envelope,
-        source: PieceSource,
-        *,
-        store: PieceStore | None,
-        path: Path | None,
-        origin: bool,
-    ) -> Version:
-        mid = manifest.id()
-        holder: list[Version] = []
-        transfer = CheckpointTransfer(
-            manifest,
-            source,
-            send=self.dataplane.send,  # type: ignore[arg-type]
-            close=self._on_transfer_close,  # type: ignore[arg-type]
-            rng=random.Random(self.rng.getrandbits(64)),
-            config=SwarmConfig(super_seed=origin),
-            on_complete=lambda: self._on_complete(holder[0]),
-            upload=self.upload,
+    def _hold(self, version: Version) -> Version:
+        """Tell the catalogue about a version just added to the holdings (it offers it to neighbours)."""
+        complete = version.path is not None
+        self.exchange.apply(
+            self.catalogue.add_version(version.manifest.id(), version.step, complete=complete)
         )
-        version = Version(manifest, envelope, transfer, store, path, origin)
-        holder.append(version)
-        self.versions[mid] = version
-        self.known[mid] = envelope
-        if path is not None:
-            version.done.set()
-            self._changed()
-        for peer in list(self.dataplane.links):
-            self._offer(version, peer)
-        for peer in self.offers.pop(mid, {}):
-            self._on_offer_from(version, peer)
         return version
 
     def _start_fetch(self, manifest: Manifest, envelope: Envelope, out: Path | None) -> Version:
-        mid = manifest.id()
-        store = PieceStore.open(self.store_dir / "pieces", manifest)
-        try:
-            _write_atomically(self.store_dir / "manifests" / f"{mid.hex()}.envelope", encode(envelope))
-        except OSError as exc:
-            store.close()
-            raise node_error_from_os(exc, f"writing to {self.store_dir}") from exc
-        version = self._add_version(manifest, envelope, store, store=store, path=None, origin=False)
-        version.resumed_pieces = store.piece_count_held
-        version.target = out
-        log.info(
-            "fetching step %d (%s): %d of %d pieces already verified on disk",
-            manifest.step,
-            mid.hex()[:16],
-            store.piece_count_held,
-            manifest.piece_count,
-        )
-        if store.complete:
+        version = self._hold(self.holdings.start_fetch(manifest, envelope, out))
+        if version.store is not None and version.store.complete:
             self.nursery.start_soon(self._finish, version)
         return version
+
+    def _start_following(self, mid: bytes) -> None:
+        """Fetch a version the catalogue follows, once its manifest proves it the trainer's, of our run."""
+        try:
+            envelope = self.known.get(mid)
+            if envelope is None:
+                raise NodeError(f"no manifest for {mid.hex()}", reason="manifest_not_found")
+            manifest = open_known(envelope, mid, self.trainer)
+            if manifest.run != self.run_id:
+                log.warning("not following %s: it belongs to run %s", mid.hex()[:16], manifest.run)
+                self.catalogue.follow_ended(mid)
+            elif mid not in self.versions:
+                self._start_fetch(manifest, envelope, None)
+        except NodeError as exc:
+            log.warning("could not fetch checkpoint %s: %s", mid.hex()[:16], exc)
+            self.catalogue.follow_ended(mid)
 
     def _on_complete(self, version: Version) -> None:
         if not version.origin and version.path is None:
             self.nursery.start_soon(self._finish, version)
 
     async def _finish(self, version: Version) -> None:
-        """Write the complete directory atomically, then serve from it and drop the pieces."""
-        store = version.store
-        if store is None or version.done.is_set():
+        if version.store is None or version.done.is_set():
             return
         mid = version.manifest.id()
-        out = version.target
-        target = out if out is not None else self._checkpoint_dir(version.manifest)
-        try:
-            if out is None and target.exists():
-                shutil.rmtree(target)  # our own leftover from a run killed between rename and cleanup
-            await trio.to_thread.run_sync(store.materialize, target)
-        except NodeError as exc:
-            log.warning("cannot write step %d: %s", version.step, exc)
-            version.error = exc
+        if not await self.holdings.finish(version):
             self._drop_version(version, delete=False)
             version.done.set()
             return
-        store.close()
-        store.remove()
-        if out is not None:
-            (self.store_dir / "manifests" / f"{mid.hex()}.envelope").unlink(missing_ok=True)
-        version.transfer.pieces = OriginDirectory(target, version.manifest)
-        version.store = None
-        version.path = target
-        version.done.set()
-        log.info("step %d complete: %s", version.step, target)
-        self._retain()
-        self._changed()
+        if mid in self.catalogue.versions:
+            self.exchange.apply(self.catalogue.version_complete(mid))
+        self.holdings.notify()
 
-    def _checkpoint_dir(self, manifest: Manifest) -> Path:
-        return self.store_dir / "checkpoints" / f"step-{manifest.step}-{manifest.id().hex()[:16]}"
-
-    def _retain(self) -> None:
-        """Keep the newest ``keep`` complete versions; older ones are forgotten (and deleted if ours)."""
-        complete = sorted(
-            (v for v in self.versions.values() if v.path is not None), key=lambda v: v.step, reverse=True
-        )
-        for version in complete[self.keep :]:
+    def _on_drop(self, mid: bytes) -> None:
+        version = self.versions.get(mid)
+        if version is not None:
             log.info("dropping step %d (keeping the newest %d)", version.step, self.keep)
             self._drop_version(version, delete=not version.origin)
 
     def _drop_version(self, version: Version, *, delete: bool) -> None:
-        mid = version.manifest.id()
-        self.versions.pop(mid, None)
-        now = trio.current_time()
-        for peer in list(version.transfer.node.peers):
-            version.transfer.disconnected(peer, now)
-        if version.store is not None:
-            version.store.close()
-        if delete and version.path is not None and version.path.is_relative_to(self.store_dir):
-            shutil.rmtree(version.path, ignore_errors=True)
-            (self.store_dir / "manifests" / f"{mid.hex()}.envelope").unlink(missing_ok=True)
-        self._changed()
-
-    def _changed(self) -> None:
-        if self._node is not None:
-            steps = sorted({v.step for v in self.versions.values() if v.path is not None}, reverse=True)
-            self._node.versions_held = tuple(steps[:16])
-        self.changed.set()
-        self.changed = trio.Event()
+        self.catalogue.remove_version(version.manifest.id())
+        self.holdings.remove(version, delete=delete, now=self.clock.now())
 
     def _restore(self) -> None:
         """Re-serve complete versions found on disk; resume unfinished ones (when following)."""
-        for path in sorted((self.store_dir / "manifests").glob("*.envelope")):
-            try:
-                mid = bytes.fromhex(path.name.removesuffix(".envelope"))
-                envelope = decode(path.read_bytes(), Envelope)
-                manifest = open_manifest(envelope, trainer=self.trainer or envelope.signer, expected_id=mid)
-            except (ValueError, OSError, RemoteProtocolError) as exc:
-                log.warning("ignoring %s: %s", path, exc)
-                continue
-            directory = self._checkpoint_dir(manifest)
+        follows: list[CatalogueAction[Address]] = []
+        for mid, envelope, manifest in self.layout.saved_manifests(self.trainer):
+            directory = self.layout.checkpoint_dir(manifest)
             if directory.is_dir():
                 source = OriginDirectory(directory, manifest)
-                self._add_version(manifest, envelope, source, store=None, path=directory, origin=False)
-            elif self.follow and (self.store_dir / "pieces" / mid.hex()).is_dir():
-                self.known[mid] = envelope
-                self._follow(mid, manifest.step)
-        self._retain()
-
-    # --- manifests ------------------------------------------------------------------------------------
-
-    async def get_manifest(self, mid: bytes) -> tuple[Envelope, Manifest]:
-        """The signed manifest ``mid``, from memory or asked of every neighbour (waits until one answers;
-        NodeError ``wrong_signer`` if it is not the trainer's)."""
-        envelope = self.known.get(mid)
-        if envelope is not None:
-            return envelope, self._open(envelope, mid)
-        wait = self.waits.get(mid)
-        if wait is None:
-            wait = self.waits[mid] = ManifestWait()
-            for peer in list(self.dataplane.links):
-                self._ask_manifest(wait, mid, peer)
-        await wait.found.wait()
-        self.waits.pop(mid, None)
-        if wait.error is not None:
-            raise wait.error
-        assert wait.result is not None
-        return wait.result
-
-    def _open(self, envelope: Envelope, mid: bytes) -> Manifest:
-        try:
-            return open_manifest(envelope, trainer=self.trainer or envelope.signer, expected_id=mid)
-        except RemoteProtocolError as exc:
-            raise NodeError(f"refusing manifest {mid.hex()}: {exc}", reason=exc.reason) from exc
-
-    def _ask_manifest(self, wait: ManifestWait, mid: bytes, peer: Address) -> None:
-        if peer not in wait.asked:
-            wait.asked.add(peer)
-            self.dataplane.send(peer, encode(ManifestRequest(mid)))
-
-    def _on_manifest(self, peer: Address, message: ManifestEnvelope) -> None:
-        mid = message.manifest_id
-        wait = self.waits.get(mid)
-        if wait is None or wait.found.is_set():
-            return
-        try:
-            envelope = decode(message.envelope, Envelope)
-            if blake3(envelope.payload) != mid:
-                raise RemoteProtocolError(
-                    "manifest does not have the requested id", reason="wrong_manifest_id"
+                self._hold(
+                    self.holdings.add(manifest, envelope, source, store=None, path=directory, origin=False)
                 )
-            manifest = open_manifest(envelope, trainer=self.trainer or envelope.signer, expected_id=mid)
-        except RemoteProtocolError as exc:
-            if exc.reason == "wrong_signer":
-                # The id pins this manifest, so its sender is honest: the id is not the trainer's.
-                wait.error = NodeError(f"refusing checkpoint {mid.hex()}: {exc}", reason="wrong_signer")
-                wait.found.set()
-                return
-            self._ban(peer, f"bad manifest: {exc.reason}")
-            return
-        self.known[mid] = envelope
-        wait.result = (envelope, manifest)
-        wait.found.set()
+            elif self.follow and self.layout.has_pieces(mid):
+                self.known[mid] = envelope
+                follows += self.catalogue.heard_of(mid, manifest.step, self.clock.now(), have_manifest=True)
+        self.exchange.apply(self.catalogue.retain())
+        self.exchange.apply(follows)
 
-    # --- following ------------------------------------------------------------------------------------
+    # --- events ---------------------------------------------------------------------------------------
 
     async def _on_announce(self, message: Delivered) -> None:
         if self.trainer is None or message.origin != self.trainer:
@@ -501,199 +367,31 @@ class SwarmService:
             return
         try:
             announce = decode(message.payload, Announce)
-            if announce.envelope and announce.manifest_id not in self.known:
+            mid = announce.manifest_id
+            if announce.envelope and mid not in self.known:
                 envelope = decode(announce.envelope, Envelope)
-                open_manifest(
-                    envelope, trainer=self.trainer, run=self.run_id, expected_id=announce.manifest_id
-                )
-                self.known[announce.manifest_id] = envelope
+                open_manifest(envelope, trainer=self.trainer, run=self.run_id, expected_id=mid)
+                self.known[mid] = envelope
         except RemoteProtocolError as exc:
             log.warning("ignoring a malformed checkpoint announcement: %s", exc)
             return
         if announce.run == self.run_id:
-            self._follow(announce.manifest_id, announce.step)
+            now, known = self.clock.now(), mid in self.known
+            self.exchange.apply(self.catalogue.heard_of(mid, announce.step, now, have_manifest=known))
 
-    def _follow(self, mid: bytes, step: int) -> None:
-        """With ``follow``, fetch a version we heard of unless we already have newer ones to keep."""
-        if not self.follow or self.trainer is None or mid in self.versions or mid in self.following:
+    def _offence(self, peer: Address, reason: str) -> None:
+        """Tell the node's peer policy (gossip, heartbeats) about a peer banned from the weight swarm."""
+        context = self._context
+        if context is None or not context.is_running:
             return
-        held = sorted((v.step for v in self.versions.values()), reverse=True)
-        if len(held) >= self.keep and step <= held[self.keep - 1]:
-            return
-        self.following.add(mid)
-        self.nursery.start_soon(self._follow_task, mid)
-
-    async def _follow_task(self, mid: bytes) -> None:
-        try:
-            _, manifest = await self.get_manifest(mid)
-            if manifest.run != self.run_id:
-                log.warning("not following %s: it belongs to run %s", mid.hex()[:16], manifest.run)
-                return
-            await self.fetch(mid)
-        except NodeError as exc:
-            log.warning("could not fetch checkpoint %s: %s", mid.hex()[:16], exc)
-        finally:
-            self.following.discard(mid)
-
-    # --- data plane events ----------------------------------------------------------------------------
-
-    def _on_up(self, peer: Address) -> None:
-        for version in list(self.versions.values()):
-            self._offer(version, peer)
-        for mid, wait in self.waits.items():
-            if not wait.found.is_set():
-                self._ask_manifest(wait, mid, peer)
-
-    def _on_down(self, peer: Address) -> None:
-        now = trio.current_time()
-        for version in list(self.versions.values()):
-            version.offered_to.discard(peer)
-            version.offered_by.discard(peer)
-            version.transfer.disconnected(peer, now)
-        for holders in self.offers.values():
-            holders.pop(peer, None)
-        for wait in self.waits.values():
-            wait.asked.discard(peer)
-
-    def _on_frame(self, peer: Address, frame: bytes) -> None:
-        try:
-            message = decode_any(frame, max_bytes=max(Piece.MAX_BYTES, ManifestEnvelope.MAX_BYTES))
-        except RemoteProtocolError as exc:
-            self._ban(peer, f"undecodable frame ({exc.reason})")
-            return
-        mid = getattr(message, "manifest_id", None)
-        if not isinstance(mid, bytes):
-            self._ban(peer, f"unexpected {message.TYPE} on the data plane")
-            return
-        if isinstance(message, Offer):
-            self._on_offer(peer, message)
-        elif isinstance(message, ManifestRequest):
-            envelope = self.known.get(mid)
-            if envelope is not None and mid in self.versions:
-                self.dataplane.send(peer, encode(ManifestEnvelope(mid, encode(envelope))))
-        elif isinstance(message, ManifestEnvelope):
-            self._on_manifest(peer, message)
-        else:
-            self._route(peer, mid, message)
-
-    def _route(self, peer: Address, mid: bytes, message: Message) -> None:
-        version = self.versions.get(mid)
-        if version is not None:
-            version.transfer.receive(peer, message, trio.current_time())
-        elif isinstance(message, Request):
-            self.dataplane.send(peer, encode(Reject(mid, message.index, "missing")))
-
-    def _on_offer(self, peer: Address, message: Offer) -> None:
-        version = self.versions.get(message.manifest_id)
-        if version is not None:
-            self._on_offer_from(version, peer)
-            return
-        holders = self.offers.setdefault(message.manifest_id, {})
-        if len(self.offers) > MAX_TRACKED_OFFERS:
-            self.offers.pop(next(iter(self.offers)))
-            holders = self.offers.setdefault(message.manifest_id, {})
-        holders[peer] = message.step
-        wait = self.waits.get(message.manifest_id)
-        if wait is not None and not wait.found.is_set():
-            wait.asked.discard(peer)  # asked before it held the version (no answer then); it does now
-            self._ask_manifest(wait, message.manifest_id, peer)
-        self._follow(message.manifest_id, message.step)
-
-    def _on_offer_from(self, version: Version, peer: Address) -> None:
-        version.offered_by.add(peer)
-        if peer not in version.offered_to:
-            self._offer(version, peer)
-        else:
-            version.transfer.connected(peer, trio.current_time())
-
-    def _offer(self, version: Version, peer: Address) -> None:
-        if peer in version.offered_to or peer not in self.dataplane.links:
-            return
-        version.offered_to.add(peer)
-        self.dataplane.send(peer, encode(Offer(version.manifest.id(), version.step)))
-        if peer in version.offered_by:
-            version.transfer.connected(peer, trio.current_time())
-
-    def _on_transfer_close(self, peer: Address, reason: str) -> None:
-        if reason not in NOT_BANNED_FOR:
-            self._ban(peer, reason)
-
-    def _ban(self, peer: Address, reason: str) -> None:
-        log.warning("banning %s from the weight swarm: %s", peer, reason)
-        self.dataplane.ban(peer)
-        node = self._node
-        if node is None or not node.is_running:
-            return
-        for member in node.membership.members():
-            if member.record.address == peer:
-                node.policy.offence(member.peer_id, Offence.BAD_DATA, reason)
-                break
-
-    # --- background loops -----------------------------------------------------------------------------
+        peer_id = peer_id_of(peer, context.membership.members())
+        if peer_id is not None:
+            context.policy.offence(peer_id, Offence.BAD_DATA, reason)
 
     async def _tick_loop(self) -> None:
         while True:
             await trio.sleep(TICK)
-            now = trio.current_time()
+            now = self.clock.now()
             for version in list(self.versions.values()):
                 version.transfer.tick(now)
-
-    async def _neighbour_loop(self) -> None:
-        """Keep up to ``max_neighbours`` channels to run members that advertise a data plane."""
-        node = self.node
-        while True:
-            links = self.dataplane.links
-            if len(links) + len(self.dataplane.dialing) < self.max_neighbours:
-                candidates = []
-                for member in node.membership.members():
-                    record = member.record
-                    if (
-                        record.dataplane_port
-                        and record.address != self.key.address
-                        and record.address not in links
-                        and record.address not in self.dataplane.banned
-                        and not node.policy.is_banned(member.peer_id)
-                    ):
-                        host = dial_host(record.multiaddrs)
-                        if host is not None:
-                            candidates.append((record.address, host, record.dataplane_port, member.peer_id))
-                self.rng.shuffle(candidates)
-                room = self.max_neighbours - len(links) - len(self.dataplane.dialing)
-                for address, host, port, peer_id in candidates[: max(room, 0)]:
-                    if address_from_peer_id(peer_id) == address:
-                        self.dataplane.dial(address, host, port)
-            await trio.sleep(0.5 if len(links) < 2 else 2.0)
-
-
-def dial_host(multiaddrs: tuple[str, ...]) -> str | None:
-    """The first usable IPv4/IPv6/DNS host among a peer's multiaddrs."""
-    for multiaddr in multiaddrs:
-        parts = multiaddr.split("/")
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6"):
-            host = parts[2]
-            if host not in ("0.0.0.0", "::"):
-                return host
-    return None
-
-
-def availability(version: Version) -> list[int]:
-    """Peers holding each piece, bucketed into at most AVAILABILITY_BINS bins (min over each bin)."""
-    count = version.manifest.piece_count
-    bits = list(version.transfer.node.picker.peer_bits.values())
-    bins = min(AVAILABILITY_BINS, count)
-    width = math.ceil(count / bins)
-    result = []
-    for start in range(0, count, width):
-        end = min(start + width, count)
-        mask = ((1 << (end - start)) - 1) << start
-        if end - start <= 64:
-            result.append(min(sum(1 for b in bits if b >> i & 1) for i in range(start, end)))
-        else:  # wide bins (over 4,096 pieces): peers holding the whole bin, a lower bound of the minimum
-            result.append(sum(1 for b in bits if b & mask == mask))
-    return result
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_bytes(data)
-    temporary.replace(path)
+            self.exchange.apply(self.catalogue.tick(now))

@@ -2,9 +2,9 @@
 the origin the original directory) and to a transport given as two callbacks.
 
 This is the whole of the swarm that a transport has to know about: report connections, hand over each
-received frame as bytes, call ``tick`` now and then, and deliver the frames passed to ``send``. The
-libp2p data plane, an authenticated raw TCP channel and the in-memory loopback of the tests
-(prime_node/testing/swarm_loopback.py) all drive it the same way.
+received frame as bytes, call ``tick`` now and then, and deliver the frames passed to ``send``. The data
+plane (prime_node/swarm/transport.py, over TCP or in-memory streams) and the synchronous loopback of the
+tests (prime_node/testing/swarm_loopback.py) both drive it the same way.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ up is worth less than the memory it would pin.
 
 If two peers dial each other at once, both channels complete; both ends keep the one dialed by the
 smaller address and close the other, so exactly one survives without any negotiation.
+
+Streams come from a ``StreamTransport`` (prime_node/dataplane/streams.py): TCP unless told otherwise;
+tests pass prime_node/testing/memory_streams.py's network and run whole swarms under ``autojump_clock``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from typing import Any
 import trio
 
 from crypto.keys import Address, WalletKey
-from prime_node.dataplane.channel import AuthenticatedChannel, ChannelError, accept_channel, open_channel
+from prime_node.dataplane.channel import (
+    AuthenticatedChannel,
+    ChannelError,
+    accept_channel,
+    open_channel,
+    open_listeners,
+)
+from prime_node.dataplane.streams import TCP, StreamTransport
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +65,10 @@ class DataPlane:
         on_frame: Callable[[Address, bytes], None],
         on_down: Callable[[Address], None],
         max_inbound: int = DEFAULT_MAX_INBOUND,
+        transport: StreamTransport = TCP,
     ) -> None:
         self.key = key
+        self.transport = transport
         self.on_up = on_up
         self.on_frame = on_frame
         self.on_down = on_down
@@ -74,13 +86,10 @@ class DataPlane:
 
     async def run(self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host:port`` until cancelled; reports the bound port."""
-        try:
-            listeners = await trio.open_tcp_listeners(port, host=host)
-        except OSError as exc:
-            raise ChannelError(f"cannot listen on {host}:{port}: {exc}", reason="port_in_use") from exc
+        listeners, bound_port = await open_listeners(self.transport, host, port)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            task_status.started(int(listeners[0].socket.getsockname()[1]))
+            task_status.started(bound_port)
             await trio.serve_listeners(self._accept, listeners, handler_nursery=nursery)
 
     def dial(self, peer: Address, host: str, port: int) -> None:
@@ -119,7 +128,7 @@ class DataPlane:
 
     async def _dial(self, peer: Address, host: str, port: int) -> None:
         try:
-            channel = await open_channel(host, port, self.key, expected_peer=peer)
+            channel = await open_channel(host, port, self.key, expected_peer=peer, transport=self.transport)
         except ChannelError as exc:
             log.info("data plane: cannot open a channel to %s at %s:%d: %s", peer, host, port, exc)
             return
@@ -127,7 +136,7 @@ class DataPlane:
             self.dialing.discard(peer)
         await self._serve(channel, dialer=self.key.address)
 
-    async def _accept(self, stream: trio.SocketStream) -> None:
+    async def _accept(self, stream: trio.abc.Stream) -> None:
         if self.inbound >= self.max_inbound:
             self.refused += 1
             log.debug("data plane: refusing a connection (%d inbound already)", self.inbound)

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from crypto.keys import Address
+from prime_node.atomic_files import atomic_writer
 from prime_node.config import RunConfig
 from protocol import schedule
 
@@ -31,24 +32,21 @@ def filter_by_pass_rate(
     batch_tasks: int = 32,
 ) -> tuple[int, int]:
     """Write the kept tasks to ``out``; returns (kept, examined)."""
-    from prime_node.ml.engine import SamplingParams, TorchEngine
+    from prime_node.ml.engine import SamplingParams
+    from prime_node.ml.engines import load_engine
     from prime_node.ml.evaluation import completion_text, encode_prompt
-    from prime_node.ml.model import load_model
     from prime_node.ml.tokenizer import load_tokenizer
     from prime_node.tasks.factory import build_task
 
     task = build_task(run.task)
     tokenizer = load_tokenizer(model_dir)
-    engine = TorchEngine(
-        load_model(model_dir), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    engine = load_engine(model_dir, tokenizer, engine=run.engine)
     pool = list(task.train_ids())
     if limit:
         pool = pool[:limit]
     params = SamplingParams(max_new_tokens=run.max_new_tokens, temperature=run.temperature)
     kept = 0
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with atomic_writer(out, text=True) as handle:
         for start in range(0, len(pool), batch_tasks):
             chunk = pool[start : start + batch_tasks]
             prompts, seeds = [], []
@@ -72,5 +70,4 @@ def filter_by_pass_rate(
                     record = task.record(task_id) if hasattr(task, "record") else {}
                     line = {"task_id": task_id, "pass_rate": rate, "prompt": task.prompt(task_id), **record}
                     handle.write(json.dumps(line) + "\n")
-    tmp.replace(out)
     return kept, len(pool)

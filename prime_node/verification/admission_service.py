@@ -35,8 +35,8 @@ from protocol.verdict import Verdict
 
 if TYPE_CHECKING:
     from prime_node.config import RunConfig
+    from prime_node.node.context import NodeContext
     from prime_node.node.gossip import Delivered
-    from prime_node.node.service import Node
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class AdmissionService:
         self.run_config = run_config
         self.capacity = capacity
         self.penalise = penalise
-        self.reputation = ReputationService(run_config=run_config, subscribe=False)
+        self.reputation = ReputationService(run_config=run_config)  # attached, fed from _on_verdict
         self.book = VerdictBook(quorum=run_config.verdict_quorum, capacity=16 * capacity)
         self.counts: Counter[str] = Counter()
         self.rejected_by_reason: Counter[str] = Counter()
@@ -81,13 +81,13 @@ class AdmissionService:
         self._wakeup = trio.Event()
         self._arrived_at: dict[bytes, float] = {}
         self.stages = StageTimes()
-        self._node: Node | None = None
+        self._context: NodeContext | None = None
 
-    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self._node = node
-        self.reputation.attach(node)
-        await node.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
-        await node.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
+    async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self._context = context
+        self.reputation.attach(context)
+        await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
+        await context.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
         task_status.started()
 
     async def next_accepted(self) -> AcceptedBatch:
@@ -189,8 +189,8 @@ class AdmissionService:
 
     def _delivered(self, stage: str, message: Delivered) -> None:
         """Gossip latency of one message: our wall clock minus the origin's signed timestamp."""
-        if self._node is not None:
-            self.stages.add(stage, (self._node.gossip.clock.wall_ms() - message.timestamp_ms) / 1000)
+        if self._context is not None:
+            self.stages.add(stage, (self._context.clock.wall_ms() - message.timestamp_ms) / 1000)
 
     def _mark(self, batch_id: bytes, *, handed_out: bool) -> None:
         self._settled[batch_id] = handed_out

@@ -6,7 +6,8 @@ chunk of 32 tokens, the layout of ``crypto.toploc``. The validator passes ``Pref
 same tokens and gets one ``ChunkCheck`` per chunk. Rounding to bf16 (round to nearest even, as torch
 does) happens in ``crypto.toploc`` and only for the entries that can reach the top-k, so both sides
 commit to and compare the same bit patterns without converting whole hidden-state matrices; all the
-arithmetic is the pure numpy code in ``crypto.toploc``.
+arithmetic is the pure numpy code in ``crypto.toploc``. The acceptance bounds are calibrated per engine
+family and dtype (``crypto.toploc.CALIBRATED_THRESHOLDS``, looked up by ``prime_node.ml.engines``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,6 @@ from crypto.toploc import ChunkCheck, Thresholds
 
 if TYPE_CHECKING:
     import torch
-
-# Calibrated on our torch engine (KV-cache generation vs one prefill pass, same machine): every honest
-# chunk measured was bit-exact (0 exponent mismatches, mantissa error 0). The bounds leave room for
-# recomputation on other hardware without admitting a different model; see docs/verification.md.
-ENGINE_THRESHOLDS = Thresholds(max_exp_mismatches=8, max_mant_err_mean=2.0, max_mant_err_median=1.0)
 
 
 def bf16_bits(hidden: torch.Tensor) -> np.ndarray:
@@ -113,7 +109,7 @@ def check_proofs(hiddens: Sequence[torch.Tensor], blobs: Sequence[bytes]) -> lis
     return out
 
 
-def proof_failure(checks: Sequence[ChunkCheck], thresholds: Thresholds = ENGINE_THRESHOLDS) -> str | None:
+def proof_failure(checks: Sequence[ChunkCheck], thresholds: Thresholds) -> str | None:
     """The reason code of the first chunk outside ``thresholds``, or None when every chunk passes."""
     for check in checks:
         reason = thresholds.failure(check)

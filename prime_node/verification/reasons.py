@@ -1,20 +1,26 @@
-"""Why a validator rejects a rollout batch: one stable code per failed check (they travel in verdicts)."""
+"""Why a validator rejects a rollout batch: one stable code per failed check (they travel in verdicts).
+
+Envelope failures take their codes from protocol/envelope.py's ``Reject``, the one place they are defined,
+so a reason seen in a verdict and one seen in a node's log mean the same thing.
+"""
 
 from __future__ import annotations
 
 from enum import StrEnum
 
+from protocol.envelope import Reject
+
 
 class Reason(StrEnum):
-    # The envelope (protocol/envelope.py's Reject values, kept verbatim).
+    # The envelope: an undecodable frame, then every Reject of protocol/envelope.py.
     MALFORMED_ENVELOPE = "malformed_envelope"
-    WRONG_DOMAIN = "wrong_domain"
-    EXPIRED = "expired"
-    FROM_THE_FUTURE = "from_the_future"
-    BAD_SIGNATURE = "bad_signature"
-    SIGNER_MISMATCH = "signer_mismatch"
-    REPLAY = "replay"
-    BEHIND_REPLAY_WINDOW = "behind_replay_window"
+    WRONG_DOMAIN = Reject.WRONG_DOMAIN.value
+    EXPIRED = Reject.EXPIRED.value
+    FROM_THE_FUTURE = Reject.FROM_THE_FUTURE.value
+    BAD_SIGNATURE = Reject.BAD_SIGNATURE.value
+    SIGNER_MISMATCH = Reject.SIGNER_MISMATCH.value
+    REPLAY = Reject.REPLAY.value
+    BEHIND_REPLAY_WINDOW = Reject.BEHIND_REPLAY_WINDOW.value
     # The batch header.
     MALFORMED_BATCH = "malformed_batch"
     SIGNER_NOT_WORKER = "signer_not_worker"

@@ -10,8 +10,8 @@ The worker is named by its wallet address; scores are kept per libp2p peer ID. T
 (DESIGN §3), and this node learns the pairing from authenticated sources only: a rollout gossiped by its
 own worker (the gossip layer checks the signer against the peer) and verified peer records.
 
-Run it alone (``ReputationService(run_config=...)`` in a node's services) on any role; the validator
-and admission services feed one they are given instead of subscribing twice.
+Run it as a service (``ReputationService(run_config=...)``, which subscribes to ``verdicts``) on any
+role. Admission, which reads every verdict itself, only ``attach``es one and feeds it.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from protocol.verdict import Verdict, open_verdict, verdict_domain
 
 if TYPE_CHECKING:
     from prime_node.config import RunConfig
+    from prime_node.node.context import NodeContext
     from prime_node.node.gossip import Delivered
-    from prime_node.node.service import Node
 
 log = logging.getLogger(__name__)
 MAX_KNOWN_WORKERS = 4096
@@ -52,28 +52,27 @@ def trusted_validators(run_config: RunConfig) -> frozenset[Address]:
 class ReputationService:
     """Opens verdict envelopes from trusted validators and charges rejected workers' peers."""
 
-    def __init__(self, *, run_config: RunConfig, subscribe: bool = True) -> None:
+    def __init__(self, *, run_config: RunConfig) -> None:
         self.run_config = run_config
         self.trusted = trusted_validators(run_config)
-        self.subscribe = subscribe
         self.verifier = EnvelopeVerifier(verdict_domain(run_config.run_id))
         self.counts: Counter[str] = Counter()
         self._peers: OrderedDict[Address, str] = OrderedDict()
-        self._node: Node | None = None
+        self._context: NodeContext | None = None
 
     @property
-    def node(self) -> Node:
-        if self._node is None:
+    def context(self) -> NodeContext:
+        if self._context is None:
             raise NodeError("the reputation service is not running", reason="not_running")
-        return self._node
+        return self._context
 
-    def attach(self, node: Node) -> None:
-        self._node = node
+    def attach(self, context: NodeContext) -> None:
+        """Charge through ``context`` without hearing verdicts (for a service that reads them itself)."""
+        self._context = context
 
-    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self.attach(node)
-        if self.subscribe:
-            await node.gossip.subscribe(VERDICTS_TOPIC, self.on_delivered)
+    async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.attach(context)
+        await context.gossip.subscribe(VERDICTS_TOPIC, self.on_delivered)
         task_status.started()
 
     async def on_delivered(self, message: Delivered) -> None:
@@ -86,7 +85,7 @@ class ReputationService:
         try:
             envelope = decode(payload, Envelope)
             verdict = open_verdict(
-                envelope, self.verifier, trusted=self.trusted, now_ms=self.node.gossip.clock.wall_ms()
+                envelope, self.verifier, trusted=self.trusted, now_ms=self.context.clock.wall_ms()
             )
         except ProtocolError as exc:
             reason = getattr(exc, "reason", "malformed")
@@ -106,7 +105,7 @@ class ReputationService:
             log.info("cannot charge worker %s: no peer known for it", verdict.worker)
             return
         self.counts["penalties"] += 1
-        self.node.policy.offence(peer_id, Offence.BAD_DATA, f"rejected batch: {','.join(verdict.reasons)}")
+        self.context.policy.offence(peer_id, Offence.BAD_DATA, f"rejected batch: {','.join(verdict.reasons)}")
 
     def learn(self, address: Address, peer_id: str) -> None:
         """Remember that ``address`` publishes as ``peer_id`` (from an authenticated source only)."""
@@ -118,7 +117,7 @@ class ReputationService:
     def peer_of(self, address: Address) -> str | None:
         if address in self._peers:
             return self._peers[address]
-        for member in self.node.membership.members():
+        for member in self.context.membership.members():
             if member.record.address == address:
                 self.learn(address, member.peer_id)
                 return member.peer_id
@@ -126,4 +125,4 @@ class ReputationService:
 
     def worker_banned(self, address: Address) -> bool:
         peer_id = self.peer_of(address)
-        return peer_id is not None and self.node.policy.is_banned(peer_id)
+        return peer_id is not None and self.context.policy.is_banned(peer_id)

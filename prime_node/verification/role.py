@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from crypto.keys import WalletKey
 from prime_node.errors import NodeError
+from prime_node.ml.engines import DEFAULT_ENGINE, engine_spec, load_engine
 from prime_node.verification.validator import BatchValidator, ValidationResult
 from protocol.envelope import Envelope
 from protocol.verdict import seal_verdict
@@ -32,15 +33,24 @@ class PolicyEngines:
     engines exist the dropped one's model is reused: the new step's safetensors weights are loaded into
     it (a strict ``load_state_dict``), which is far cheaper than building a model with
     ``from_pretrained``. Only the first ``keep`` policies, or a checkpoint whose ``config.json`` differs
-    from the model's, build a model. ``builds`` counts those.
+    from the model's, build a model. ``builds`` counts those. ``engine`` is the run's engine family.
     """
 
-    def __init__(self, locate: Callable[[int], Path | None], tokenizer: Any, *, keep: int = 3) -> None:
+    def __init__(
+        self,
+        locate: Callable[[int], Path | None],
+        tokenizer: Any,
+        *,
+        keep: int = 3,
+        engine: str = DEFAULT_ENGINE,
+    ) -> None:
         if keep < 1:
             raise ValueError("keep at least one policy")
+        engine_spec(engine)  # an unknown family fails here, not at the first batch
         self.locate = locate
         self.tokenizer = tokenizer
         self.keep = keep
+        self.engine = engine
         self.builds = 0
         self._loaded: OrderedDict[int, TorchEngine] = OrderedDict()
         self._configs: dict[int, Any] = {}  # id(engine) → the parsed config.json it was built from
@@ -73,17 +83,9 @@ class PolicyEngines:
         return engine
 
     def _build(self, directory: Path, step: int) -> TorchEngine:
-        from prime_node.ml.engine import TorchEngine
-        from prime_node.ml.model import load_model
-
-        model = load_model(directory)
+        engine = load_engine(directory, self.tokenizer, engine=self.engine, policy_step=step)
         self.builds += 1
-        return TorchEngine(
-            model,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            policy_step=step,
-        )
+        return engine
 
     def _reload(self, engine: TorchEngine, directory: Path, step: int) -> TorchEngine:
         """``engine`` holding the weights of ``directory`` (the engine is dropped if they do not load)."""

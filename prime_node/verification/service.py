@@ -17,7 +17,7 @@ import functools
 import logging
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,8 +43,8 @@ from protocol.rollouts import RolloutBatch
 if TYPE_CHECKING:
     from prime_node.config import RunConfig
     from prime_node.ml.engine import TorchEngine
+    from prime_node.node.context import NodeContext
     from prime_node.node.gossip import Delivered
-    from prime_node.node.service import Node
     from prime_node.verification.role import Judge, PolicyEngines
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "AdmissionService",
     "ReputationService",
     "ValidatorService",
+    "ValidatorSettings",
     "publish_batch",
     "publish_frame",
 ]
@@ -71,6 +72,25 @@ class Judged:
     accepted: bool
     reasons: tuple[str, ...]
     published: bool
+
+
+@dataclass(frozen=True)
+class ValidatorSettings:
+    """How a validator queues and waits; the defaults suit a networked run."""
+
+    queue_size: int = 64
+    """Batches waiting for a check; the oldest is dropped (and counted) beyond it."""
+    policy_wait_s: float = 30.0
+    """How long a batch may wait for its policy checkpoint before the pipeline judges it without."""
+    poll_s: float = 0.5
+    """Fallback poll while waiting for a policy (the weight swarm normally wakes the wait)."""
+    keep_policies: int = 3
+    """Policy engines kept loaded (the run's async level + 1 covers every step a batch may claim)."""
+    check_policy: CheckPolicy = field(default_factory=CheckPolicy)
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1 or self.policy_wait_s < 0 or self.poll_s <= 0:
+            raise ValueError("queue_size must be positive, waits non-negative")
 
 
 @dataclass(frozen=True)
@@ -93,26 +113,21 @@ class ValidatorService:
         current_step: Callable[[], int],
         reputation: ReputationService | None = None,
         tokenizer: Any = None,
-        queue_size: int = 64,
-        policy_wait_s: float = 30.0,
-        poll_s: float = 0.5,
-        keep_policies: int = 3,
-        check_policy: CheckPolicy | None = None,
         policies_changed: Callable[[], Awaitable[object]] | None = None,
+        settings: ValidatorSettings | None = None,
     ) -> None:
-        if queue_size < 1 or policy_wait_s < 0 or poll_s <= 0:
-            raise ValueError("queue_size must be positive, waits non-negative")
+        settings = settings or ValidatorSettings()
         self.key = key
         self.run_config = run_config
         self.locate = locate
         self.current_step = current_step
         self.reputation = reputation
         self.tokenizer = tokenizer
-        self.queue_size = queue_size
-        self.policy_wait_s = policy_wait_s
-        self.poll_s = poll_s
-        self.keep_policies = keep_policies
-        self.check_policy = check_policy or CheckPolicy()
+        self.queue_size = settings.queue_size
+        self.policy_wait_s = settings.policy_wait_s
+        self.poll_s = settings.poll_s
+        self.keep_policies = settings.keep_policies
+        self.check_policy = settings.check_policy
         self.policies_changed = policies_changed
         self.stages = StageTimes()
         self.counts: Counter[str] = Counter()
@@ -124,15 +139,15 @@ class ValidatorService:
         self._arrived = trio.Event()
         self._judge: Judge | None = None
         self._engines: PolicyEngines | None = None
-        self._node: Node | None = None
+        self._context: NodeContext | None = None
 
     # -- service ----------------------------------------------------------------------------------------
 
-    async def run(self, node: Node, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self._node = node
+    async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self._context = context
         await trio.to_thread.run_sync(self._build_judge)
-        await node.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
-        node.status_sections["validation"] = self.status
+        await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
+        context.add_status_section("validation", self.status)
         task_status.started()
         while True:
             while not self._queue:
@@ -141,7 +156,7 @@ class ValidatorService:
             item = self._queue.popleft()
             self._busy = True
             try:
-                await self._validate(node, item)
+                await self._validate(context, item)
             finally:
                 self._busy = False
 
@@ -158,19 +173,14 @@ class ValidatorService:
             "stages": self.stages.summary(),
         }
 
-    async def on_verdict(self, message: Delivered) -> None:
-        """Other validators' verdicts, for a node whose role runner owns the ``verdicts`` topic."""
-        if self.reputation is not None:
-            await self.reputation.on_delivered(message)
-
     async def _on_rollout(self, message: Delivered) -> None:
         if self.reputation is not None:
             if self.reputation.worker_banned(message.origin):
                 self.counts["dropped_banned"] += 1
                 return
             self.reputation.learn(message.origin, message.origin_peer_id)
-        if self._node is not None:
-            self.stages.add("delivery", (self._node.gossip.clock.wall_ms() - message.timestamp_ms) / 1000)
+        if self._context is not None:
+            self.stages.add("delivery", (self._context.clock.wall_ms() - message.timestamp_ms) / 1000)
         if len(self._queue) >= self.queue_size:
             self._queue.popleft()
             self.counts["dropped_backlog"] += 1
@@ -181,7 +191,7 @@ class ValidatorService:
 
     # -- one batch --------------------------------------------------------------------------------------
 
-    async def _validate(self, node: Node, item: _Queued) -> None:
+    async def _validate(self, context: NodeContext, item: _Queued) -> None:
         dequeued = trio.current_time()
         self.stages.add("queue", dequeued - item.queued_at)
         step = _claimed_step(item.frame)
@@ -189,12 +199,10 @@ class ValidatorService:
             await self._await_policy(step)
         started = trio.current_time()
         self.stages.add("policy_wait", started - dequeued)
-        judge = functools.partial(
-            self._judge_sync, item.frame, node.gossip.clock.wall_ms(), self.current_step()
-        )
+        judge = functools.partial(self._judge_sync, item.frame, context.clock.wall_ms(), self.current_step())
         try:
             result, envelope = await trio.to_thread.run_sync(judge)
-        except (NodeError, OSError, ValueError, RuntimeError) as exc:  # e.g. a checkpoint that does not load
+        except (NodeError, ProtocolError, OSError, ValueError, RuntimeError) as exc:  # e.g. a bad checkpoint
             log.warning("could not validate batch from %s: %s", item.origin, exc)
             self.counts["errors"] += 1
             return
@@ -209,7 +217,7 @@ class ValidatorService:
         if envelope is not None:
             try:
                 publishing = trio.current_time()
-                await node.gossip.publish(VERDICTS_TOPIC, encode(envelope))
+                await context.gossip.publish(VERDICTS_TOPIC, encode(envelope))
                 self.stages.add("publish_verdict", trio.current_time() - publishing)
                 published = True
             except NodeError as exc:

@@ -1,4 +1,4 @@
-"""The two gossip topics of verification, and the inferer's side of them: seal a batch and gossip it.
+"""The inferer's side of verification's two gossip topics (named in protocol/topics.py): seal and gossip.
 
 Rollout batches ride gossip whole while they fit its 256 KiB payload cap (a tiny-model batch is a few
 tens of KiB). Bigger batches need the announce-then-fetch path of DESIGN §4 (gossip carries id, size,
@@ -17,16 +17,24 @@ from prime_node.verification.proving import seal_batch
 from protocol.codec import encode
 from protocol.gossip_sequence import MAX_GOSSIP_PAYLOAD
 from protocol.rollouts import RolloutBatch
+from protocol.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
 
 if TYPE_CHECKING:
+    from prime_node.node.context import NodeContext
     from prime_node.node.service import Node
 
-ROLLOUTS_TOPIC = "rollouts"
-VERDICTS_TOPIC = "verdicts"
+__all__ = [  # the topics are re-exported: services import them from here
+    "MAX_GOSSIPED_BATCH",
+    "ROLLOUTS_TOPIC",
+    "VERDICTS_TOPIC",
+    "publish_batch",
+    "publish_frame",
+]
+
 MAX_GOSSIPED_BATCH = MAX_GOSSIP_PAYLOAD
 
 
-async def publish_frame(node: Node, frame: bytes) -> bytes:
+async def publish_frame(node: Node | NodeContext, frame: bytes) -> bytes:
     """Gossip one sealed rollout-batch envelope frame as is; returns its batch id (BLAKE3 of the frame)."""
     if len(frame) > MAX_GOSSIPED_BATCH:
         raise NodeError(
@@ -39,7 +47,7 @@ async def publish_frame(node: Node, frame: bytes) -> bytes:
     return blake3(frame)
 
 
-async def publish_batch(node: Node, key: WalletKey, batch: RolloutBatch) -> bytes:
+async def publish_batch(node: Node | NodeContext, key: WalletKey, batch: RolloutBatch) -> bytes:
     """The inferer's side: sign ``batch`` with the worker key and gossip it; returns the batch id.
 
     Validators and the trainer name the batch by this id in verdicts and admission.

@@ -34,7 +34,7 @@ import numpy as np
 from crypto.digests import blake3
 from crypto.errors import CryptoError
 from crypto.toploc import Thresholds, decode_proofs, split_proofs
-from prime_node.verification.proofs import ENGINE_THRESHOLDS
+from prime_node.ml.engines import engine_spec
 from prime_node.verification.reasons import Reason
 from protocol import schedule
 from protocol.codec import decode
@@ -64,7 +64,8 @@ REPLAY_TOLERANCE = 1e-4
 class CheckPolicy:
     """Acceptance bounds of the recomputation stage, calibrated for one engine family."""
 
-    toploc: Thresholds = ENGINE_THRESHOLDS
+    toploc: Thresholds | None = None
+    """TOPLOC bounds; None: those calibrated for the run config's engine family and its dtype."""
     logprob_tolerance: float = LOGPROB_TOLERANCE
     replay_tolerance: float = REPLAY_TOLERANCE
     recompute_groups: int = 0
@@ -119,6 +120,8 @@ class BatchValidator:
 
     ``engines(step)`` returns an engine holding policy ``step`` (or None if this validator does not
     have it); ``rollout_verifier`` holds the freshness window and replay cache of rollout envelopes.
+    A run whose engine has no calibrated TOPLOC thresholds is refused here (NodeError
+    ``uncalibrated_engine``), before any batch is judged.
     """
 
     def __init__(
@@ -138,6 +141,7 @@ class BatchValidator:
         self.engines = engines
         self.rollout_verifier = rollout_verifier
         self.policy = policy
+        self.engine_thresholds = engine_spec(config.engine).toploc_thresholds()
         self.sampling_key = os.urandom(32) if sampling_key is None else sampling_key
         self._pool = task.train_ids()
 
@@ -293,9 +297,10 @@ class BatchValidator:
             checks = check_proofs([p.hidden for p in prefills], [s.proof for s in samples])
         except CryptoError as exc:  # stage 4 decoded every proof; this would be a bug, not the worker's
             raise AssertionError(f"proof became undecodable between stages: {exc}") from exc
+        thresholds = self.engine_thresholds if self.policy.toploc is None else self.policy.toploc
         for number, chunk_checks in zip(numbers, checks, strict=True):
             for check in chunk_checks:
-                failure = self.policy.toploc.failure(check)
+                failure = thresholds.failure(check)
                 if failure is not None:
                     result.reject(Reason(failure), f"sample {number}: {check}", number)
                     break

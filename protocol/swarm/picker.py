@@ -17,6 +17,7 @@ import random
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
+from protocol.errors import InvariantError
 from protocol.swarm.pieceset import full_set, members, random_member
 
 
@@ -52,7 +53,7 @@ class PiecePicker:
 
     def add_peer(self, peer: Hashable, bits: int = 0) -> None:
         if peer in self.peer_bits:
-            raise ValueError(f"peer {peer!r} already added")
+            raise InvariantError(f"peer {peer!r} already added", reason="duplicate_peer")
         self.peer_bits[peer] = 0
         self.inflight[peer] = set()
         self.peer_has_all(peer, bits)
@@ -140,7 +141,7 @@ class PiecePicker:
     def requested(self, peer: Hashable, index: int) -> None:
         inflight = self.inflight[peer]
         if index in inflight:
-            raise ValueError(f"piece {index} already requested from {peer!r}")
+            raise InvariantError(f"piece {index} already requested from {peer!r}", reason="duplicate_request")
         inflight.add(index)
         self.outstanding += 1
         self.pending.setdefault(index, set()).add(peer)

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+from protocol.errors import InvariantError
+
 
 class UploadScheduler:
     def __init__(self, *, slots: int, per_peer: int) -> None:
         if slots < 1 or per_peer < 1:
-            raise ValueError("upload slots and the per-peer request cap must be positive")
+            raise InvariantError(
+                "upload slots and the per-peer request cap must be positive", reason="bad_config"
+            )
         self.slots = slots
         self.per_peer = per_peer
         self.active: set[tuple[Hashable, int]] = set()

@@ -1,7 +1,9 @@
-"""The authenticated channel over real TCP on 127.0.0.1: handshake, frames, and hostile peers."""
+"""The authenticated channel: handshake, frames, and hostile peers, each over real TCP on 127.0.0.1 and
+over in-memory streams (prime_node/testing/memory_streams.py) on trio's virtual clock."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -21,19 +23,37 @@ from prime_node.dataplane.channel import (
     open_channel,
     serve_channels,
 )
+from prime_node.dataplane.streams import TCP, StreamTransport
+from prime_node.testing.memory_streams import MemoryStreamNetwork
 from protocol.dataplane import FRAME_HEADER, HANDSHAKE_MAX_FRAME
 
 A, B, C = (WalletKey(hashlib.sha256(label).digest()) for label in (b"a", b"b", b"c"))
+HOST = "127.0.0.1"
+
+
+@pytest.fixture(params=["tcp", "memory"])
+def transport(request: pytest.FixtureRequest) -> StreamTransport:
+    return TCP if request.param == "tcp" else MemoryStreamNetwork()
+
+
+@pytest.fixture
+def clock(transport: StreamTransport) -> trio.testing.MockClock | None:
+    """Memory streams run on virtual time (every wait below is instant); real sockets need the real clock."""
+    return (
+        trio.testing.MockClock(autojump_threshold=0) if isinstance(transport, MemoryStreamNetwork) else None
+    )
 
 
 async def _listener_outcome(
-    listener_key: WalletKey, body: Callable[[int, list[object]], Awaitable[None]], **options: object
+    transport: StreamTransport,
+    listener_key: WalletKey,
+    body: Callable[[int, list[object]], Awaitable[None]],
+    **options: object,
 ) -> list[object]:
     """Run one ``accept_channel`` on a fresh port; ``body(port, outcome)`` plays the dialer. The outcome
     list gets the accepted channel (or the ChannelError that refused it)."""
     outcome: list[object] = []
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
+    listeners, port = await transport.open_listeners(HOST, 0)
 
     async def accept_one() -> None:
         stream = await listeners[0].accept()
@@ -49,7 +69,9 @@ async def _listener_outcome(
     return outcome
 
 
-async def test_two_peers_authenticate_and_exchange_frames_both_ways() -> None:
+async def test_two_peers_authenticate_and_exchange_frames_both_ways(
+    transport: StreamTransport, clock: object
+) -> None:
     received: list[tuple[object, bytes]] = []
 
     async def echo(channel: AuthenticatedChannel) -> None:
@@ -59,8 +81,8 @@ async def test_two_peers_authenticate_and_exchange_frames_both_ways() -> None:
 
     frames = [b"", b"hello", os.urandom(1 << 20), os.urandom(100_000)]
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(serve_channels, B, echo)
-        channel = await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+        port = await nursery.start(functools.partial(serve_channels, B, echo, transport=transport))
+        channel = await open_channel(HOST, port, A, expected_peer=B.address, transport=transport)
         assert channel.remote == B.address
         for frame in frames:
             await channel.send_frame(frame)
@@ -73,37 +95,43 @@ async def test_two_peers_authenticate_and_exchange_frames_both_ways() -> None:
     assert received == [(A.address, frame) for frame in frames]
 
 
-async def test_a_listener_with_the_wrong_wallet_is_refused(caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_listener_with_the_wrong_wallet_is_refused(
+    transport: StreamTransport, clock: object, caplog: pytest.LogCaptureFixture
+) -> None:
     async def dial(port: int, outcome: list[object]) -> None:
         with pytest.raises(ChannelError) as caught:
-            await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+            await open_channel(HOST, port, A, expected_peer=B.address, transport=transport)
         assert caught.value.reason == "wrong_peer"
 
     with caplog.at_level(logging.WARNING, logger="prime_node.dataplane"):
-        outcome = await _listener_outcome(C, dial)
+        outcome = await _listener_outcome(transport, C, dial)
     assert isinstance(outcome[0], ChannelError)  # the listener saw the dialer hang up
     assert "wrong_peer" in caplog.text
 
 
-async def test_a_listener_that_names_its_peer_refuses_another_dialer() -> None:
+async def test_a_listener_that_names_its_peer_refuses_another_dialer(
+    transport: StreamTransport, clock: object
+) -> None:
     async def dial(port: int, outcome: list[object]) -> None:
         with pytest.raises(ChannelError):
-            channel = await open_channel("127.0.0.1", port, C, expected_peer=B.address)
+            channel = await open_channel(HOST, port, C, expected_peer=B.address, transport=transport)
             await channel.receive_frame()  # the listener closes once it sees who signed
 
-    outcome = await _listener_outcome(B, dial, expected_peer=A.address)
+    outcome = await _listener_outcome(transport, B, dial, expected_peer=A.address)
     assert isinstance(outcome[0], ChannelError) and outcome[0].reason == "wrong_peer"
 
 
-async def _flipping_proxy(target_port: int, flip_at: int, task_status: Any) -> None:
+async def _flipping_proxy(
+    transport: StreamTransport, target_port: int, flip_at: int, task_status: Any
+) -> None:
     """A man in the middle: forwards one connection both ways, flipping the byte at offset ``flip_at`` of
     the dialer→listener direction."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    task_status.started(listeners[0].socket.getsockname()[1])
+    listeners, port = await transport.open_listeners(HOST, 0)
+    task_status.started(port)
     inbound = await listeners[0].accept()
-    outbound = await trio.open_tcp_stream("127.0.0.1", target_port)
+    outbound = await transport.open_stream(HOST, target_port)
 
-    async def pump(source: trio.SocketStream, sink: trio.SocketStream, flip: int | None) -> None:
+    async def pump(source: trio.abc.Stream, sink: trio.abc.Stream, flip: int | None) -> None:
         seen = 0
         try:
             while chunk := await source.receive_some(1 << 16):
@@ -123,16 +151,20 @@ async def _flipping_proxy(target_port: int, flip_at: int, task_status: Any) -> N
 
 
 @pytest.mark.parametrize("flip_at", [10, 400, 4_000])
-async def test_a_man_in_the_middle_flipping_one_byte_is_detected(flip_at: int) -> None:
+async def test_a_man_in_the_middle_flipping_one_byte_is_detected(
+    transport: StreamTransport, clock: object, flip_at: int
+) -> None:
     """Offset 10 lands in the dialer's hello, 400 in a data frame's header area or body, 4,000 deep in a
     body (the handshake's dialer→listener side is ~240 bytes)."""
     payload = os.urandom(8_000)
 
     async def dial(port: int, outcome: list[object]) -> None:
         async with trio.open_nursery() as nursery:
-            proxy_port = await nursery.start(_flipping_proxy, port, flip_at)
+            proxy_port = await nursery.start(_flipping_proxy, transport, port, flip_at)
             try:
-                channel = await open_channel("127.0.0.1", proxy_port, A, expected_peer=B.address)
+                channel = await open_channel(
+                    HOST, proxy_port, A, expected_peer=B.address, transport=transport
+                )
                 await channel.send_frame(payload)
                 await channel.aclose()
             except ChannelError:
@@ -147,15 +179,17 @@ async def test_a_man_in_the_middle_flipping_one_byte_is_detected(flip_at: int) -
                 outcome.append("frame refused")
             nursery.cancel_scope.cancel()
 
-    outcome = await _listener_outcome(B, dial)
+    outcome = await _listener_outcome(transport, B, dial)
     assert outcome[-1] == "frame refused" or isinstance(outcome[0], ChannelError)
     if flip_at >= 400:
         assert outcome[-1] == "frame refused"
 
 
-async def test_an_oversized_length_is_refused_without_allocating_it() -> None:
+async def test_an_oversized_length_is_refused_without_allocating_it(
+    transport: StreamTransport, clock: object
+) -> None:
     async def dial(port: int, outcome: list[object]) -> None:
-        channel = await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+        channel = await open_channel(HOST, port, A, expected_peer=B.address, transport=transport)
         with trio.fail_after(5):
             while not outcome:
                 await trio.sleep(0.01)
@@ -174,12 +208,14 @@ async def test_an_oversized_length_is_refused_without_allocating_it() -> None:
         assert listener_side.closed
         await channel.aclose()
 
-    await _listener_outcome(B, dial)
+    await _listener_outcome(transport, B, dial)
 
 
-async def test_a_peer_hanging_up_inside_a_frame_is_a_truncation() -> None:
+async def test_a_peer_hanging_up_inside_a_frame_is_a_truncation(
+    transport: StreamTransport, clock: object
+) -> None:
     async def dial(port: int, outcome: list[object]) -> None:
-        channel = await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+        channel = await open_channel(HOST, port, A, expected_peer=B.address, transport=transport)
         await channel._stream.send_all(FRAME_HEADER.pack(1000) + b"x" * 10)
         await channel.aclose()
         with trio.fail_after(5):
@@ -191,36 +227,40 @@ async def test_a_peer_hanging_up_inside_a_frame_is_a_truncation() -> None:
             await listener_side.receive_frame()
         assert caught.value.reason == "truncated_frame"
 
-    await _listener_outcome(B, dial)
+    await _listener_outcome(transport, B, dial)
 
 
-async def test_an_oversized_handshake_frame_is_refused() -> None:
+async def test_an_oversized_handshake_frame_is_refused(transport: StreamTransport, clock: object) -> None:
     async def dial(port: int, outcome: list[object]) -> None:
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        stream = await transport.open_stream(HOST, port)
         await stream.send_all(FRAME_HEADER.pack(HANDSHAKE_MAX_FRAME + 1))
         with trio.fail_after(5):
             assert await stream.receive_some(10) == b""  # the listener hung up
         await stream.aclose()
 
-    outcome = await _listener_outcome(B, dial)
+    outcome = await _listener_outcome(transport, B, dial)
     assert isinstance(outcome[0], ChannelError) and outcome[0].reason == "frame_too_large"
 
 
-async def test_a_silent_dialer_times_out(autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_silent_dialer_times_out(
+    transport: StreamTransport, autojump_clock: trio.testing.MockClock
+) -> None:
     async def dial(port: int, outcome: list[object]) -> None:
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        stream = await transport.open_stream(HOST, port)
         with trio.fail_after(60):
             while not outcome:
                 await trio.sleep(1)
         await stream.aclose()
 
-    outcome = await _listener_outcome(B, dial)
+    outcome = await _listener_outcome(transport, B, dial)
     assert isinstance(outcome[0], ChannelError) and outcome[0].reason == "handshake_timeout"
 
 
-async def test_closing_our_side_under_a_waiting_receive_is_a_clean_close() -> None:
+async def test_closing_our_side_under_a_waiting_receive_is_a_clean_close(
+    transport: StreamTransport, clock: object
+) -> None:
     async def dial(port: int, outcome: list[object]) -> None:
-        channel = await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+        channel = await open_channel(HOST, port, A, expected_peer=B.address, transport=transport)
         errors: list[ChannelError] = []
 
         async def receive() -> None:
@@ -235,13 +275,12 @@ async def test_closing_our_side_under_a_waiting_receive_is_a_clean_close() -> No
             await channel.aclose()
         assert [e.reason for e in errors] == ["closed"]
 
-    await _listener_outcome(B, dial)
+    await _listener_outcome(transport, B, dial)
 
 
-async def test_dialing_a_closed_port_is_a_clear_error() -> None:
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
+async def test_dialing_a_closed_port_is_a_clear_error(transport: StreamTransport, clock: object) -> None:
+    listeners, port = await transport.open_listeners(HOST, 0)
     await listeners[0].aclose()
     with pytest.raises(ChannelError) as caught:
-        await open_channel("127.0.0.1", port, A, expected_peer=B.address)
+        await open_channel(HOST, port, A, expected_peer=B.address, transport=transport)
     assert caught.value.reason == "dial_failed"

@@ -12,18 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from prime_node.testing.adversary import EXPECTED_REASONS
+from prime_node.verification.cheating import EXPECTED_REASONS
 
 ATTACK = "forged_proof"
-# The demo's recipe, shortened: 120 steps with 1 inferer. (With the full default demo here, 300 steps and 2
-# inferers, the Ctrl-C and signal tests that follow timed out in the full suite, on both kernel sets, while
-# passing alone; suspected: disk writeback of its ~2.5x more fsynced checkpoints. Not confirmed.)
-# Evidence for the threshold: in all 10 recorded default runs
-# (docs/quickstart.md: seeds 0-4, native and ATEN_CPU_CAPABILITY=default kernels, held-out accuracy on all
-# 1,024 held-out sums) the gain was +0.27 to +0.38 by step 75 and +0.31 to +0.41 by step 150; per-step
-# learning does not depend on the number of inferers (benchmarks/swarm_learning.py: swarm/local parity
-# 0.98). The threshold sits 0.12 below the worst of those at step 75.
-GAIN_THRESHOLD = 0.15
+# The demo's recipe, shortened: 120 steps with 1 inferer (the cosine learning-rate decay spans the run's
+# max_steps, so this is the whole schedule compressed into 120 steps). Evidence for the threshold: exactly
+# this command, recorded 10 times (seeds 0-4, native and ATEN_CPU_CAPABILITY=default kernels, two runs at
+# a time on a loaded 2-core machine, held-out accuracy on all 1,024 held-out sums), gained +0.323 to
+# +0.418 (median +0.379) by step 120. The threshold sits 0.12 below the worst of those.
+GAIN_THRESHOLD = 0.2
 STEPS = 120
 
 
@@ -53,7 +50,8 @@ def test_a_short_demo_learns_and_refuses_every_adversary_batch(tmp_path: Path) -
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout)  # exactly one JSON object on stdout
     assert summary["steps"] >= STEPS
-    # Learning: the held-out greedy accuracy (200 tasks, never trained on) at the last step beats step 0.
+    # Learning: the held-out greedy accuracy (all 1,024 held-out sums, never trained on) at the last step
+    # beats step 0 by the threshold.
     assert summary["held_out"][0][0] == 0 and summary["held_out"][-1][0] >= STEPS
     assert summary["reward_end"] >= summary["reward_start"] + GAIN_THRESHOLD, summary["held_out"]
     assert summary["batches_accepted"] >= STEPS and summary["checkpoints_shared"] >= STEPS

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from crypto.keys import Address
 from protocol.codec import decode, encode
-from protocol.errors import RemoteProtocolError
+from protocol.errors import InvariantError, RemoteProtocolError
 from protocol.rollouts import (
     MAX_BATCH_BYTES,
     RolloutBatch,
@@ -67,18 +67,18 @@ def test_proof_size_is_258_bytes_per_started_chunk_of_32() -> None:
 )
 def test_sample_invariants(change: dict[str, bytes]) -> None:
     good = _sample(1, [1, 2], [3, 4], False)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvariantError):
         dataclasses.replace(good, **change)
 
 
 def test_batch_invariants_and_hostile_frames() -> None:
     a, b = _sample(1, [1], [2], False), _sample(2, [1], [2], False)
     worker = Address(b"\x03" * 20)
-    with pytest.raises(ValueError, match="task id"):
+    with pytest.raises(InvariantError, match="task id"):
         RolloutBatch(1, "demo", worker, 0, 0, 1.0, 2, (a, b))
-    with pytest.raises(ValueError, match="groups"):
+    with pytest.raises(InvariantError, match="groups"):
         RolloutBatch(1, "demo", worker, 0, 0, 1.0, 2, (a,))
-    with pytest.raises(ValueError):
+    with pytest.raises(InvariantError):
         RolloutBatch(1, "demo", worker, 0, 0, -1.0, 1, (a,))
     frame = encode(RolloutBatch(1, "demo", worker, 0, 0, 1.0, 1, (a, b)))
     for bad in (

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from prime_node.node.runner import SHUTDOWN_DEADLINE
+
 ENV = {**os.environ, "PRIME_NODE_LOG_LEVEL": "warning"}
 CLI = [sys.executable, "-m", "prime_node"]
 
@@ -64,10 +66,20 @@ def _status(data_dir: Path) -> dict[str, object]:
     return dict(json.loads(out.stdout))
 
 
+# The node's own watchdog (prime_node/node/runner.py) ends it with status 1 SHUTDOWN_DEADLINE s after the
+# signal; a clean exit 0 therefore already proves the graceful shutdown beat it. What the clock sees from
+# here also holds signal delivery and interpreter teardown, which a loaded machine stretches: that margin
+# is added instead of racing the watchdog's own 5 s.
+EXIT_MARGIN = 5.0
+EXIT_LIMIT = SHUTDOWN_DEADLINE + EXIT_MARGIN
+WATCHDOG_MESSAGE = "shutdown took longer than"
+
+
 def _terminate(process: subprocess.Popen[str]) -> float:
+    """SIGTERM ``process`` and wait for it to exit; the seconds that took."""
     started = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    process.wait(timeout=10)
+    process.wait(timeout=EXIT_LIMIT + 10)
     return time.monotonic() - started
 
 
@@ -99,10 +111,12 @@ def test_join_processes_form_a_swarm_status_shows_it_and_sigterm_stops_cleanly(t
             for peer in snapshot["peers"]:  # type: ignore[attr-defined]
                 assert {"address", "peer_id", "state"} <= peer.keys()
         for process in processes:
-            assert _terminate(process) < 5.0
-            assert process.returncode == 0, process.communicate()[1]
-            stderr = process.stderr.read() if process.stderr else ""
-            assert "Traceback" not in stderr
+            seconds = _terminate(process)
+            stdout, stderr = process.communicate()
+            assert process.returncode == 0, stderr
+            assert WATCHDOG_MESSAGE not in stderr and "Traceback" not in stderr
+            assert "received SIGTERM, shutting down" in stdout + stderr
+            assert seconds < EXIT_LIMIT, f"exit took {seconds:.1f} s"
         for name in "abc":
             assert json.loads((tmp_path / name / "node.json").read_text())["state"] == "stopped"
     finally:

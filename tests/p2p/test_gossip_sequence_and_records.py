@@ -10,7 +10,7 @@ from crypto.identity import peer_id_from_public_key
 from crypto.keys import WalletKey
 from protocol.codec import decode, encode
 from protocol.envelope import Domain, seal
-from protocol.errors import RemoteProtocolError
+from protocol.errors import InvariantError, RemoteProtocolError
 from protocol.gossip_sequence import Deliver, Ignore, RequestMissing, SequenceTracker
 from protocol.peer_record import HardwareSummary, PeerRecord, check_sender, parse_peer_record
 
@@ -77,7 +77,7 @@ def test_a_record_signed_or_sent_by_another_key_is_refused() -> None:
 
 def test_a_record_must_describe_one_key() -> None:
     key, other = WalletKey.generate(), WalletKey.generate()
-    with pytest.raises(ValueError):
+    with pytest.raises(InvariantError):
         PeerRecord(other.address, peer_id_from_public_key(key.public_key), "seeder", (), HW, (), 0, "x")
-    with pytest.raises(ValueError):
+    with pytest.raises(InvariantError):
         PeerRecord(key.address, peer_id_from_public_key(key.public_key), "emperor", (), HW, (), 0, "x")

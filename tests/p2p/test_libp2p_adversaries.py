@@ -12,11 +12,13 @@ import trio
 from crypto.identity import peer_id_from_public_key
 from crypto.keys import WalletKey
 from prime_node.node.clock import NodeClock
+from prime_node.node.core import NodeCore
 from prime_node.node.gossip import GossipService
 from prime_node.node.heartbeats import HEARTBEAT_PROTOCOL
 from prime_node.node.metrics import NodeMetrics
 from prime_node.node.peers import PeerPolicy
-from prime_node.node.service import HEARTBEAT_TOPIC, local_hardware
+from prime_node.node.runner import local_hardware
+from prime_node.node.service import HEARTBEAT_TOPIC
 from prime_node.p2p.libp2p_host import Libp2pHost, open_libp2p_host
 from protocol.codec import encode
 from protocol.envelope import Domain, seal
@@ -56,7 +58,7 @@ async def test_a_plaintext_only_dial_is_refused(tmp_path: Path) -> None:
 async def _adversary_gossip(host: Libp2pHost, key: WalletKey, nursery: trio.Nursery) -> GossipService:
     clock, metrics = NodeClock(), NodeMetrics()
     policy = PeerPolicy(host, clock, metrics, nursery, ScoringConfig())
-    gossip = GossipService(host, key, "test", clock, metrics, policy, nursery)
+    gossip = GossipService(NodeCore(host, key, "test", clock, metrics, policy, nursery))
 
     async def ignore(_: object) -> None:
         return None

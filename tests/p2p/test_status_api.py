@@ -13,6 +13,7 @@ import trio
 from rich.console import Console
 
 from prime_node.errors import NodeError
+from prime_node.node.context import NodeContext
 from prime_node.status.client import fetch_snapshot, resolve_api_url
 from prime_node.status.tui import render
 from prime_node.testing.memory_network import MemoryNetwork
@@ -66,12 +67,12 @@ class _CountingService:
 
     def __init__(self) -> None:
         self.ticks = 0
-        self.node_seen: object = None
+        self.context_seen: NodeContext | None = None
 
-    async def run(self, node: object, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self.node_seen = node
-        node.status_sections["counting"] = lambda: {"ticks": self.ticks}  # type: ignore[attr-defined]
-        node.status_sections["broken"] = lambda: 1 // 0  # type: ignore[attr-defined]
+    async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.context_seen = context
+        context.add_status_section("counting", lambda: {"ticks": self.ticks})
+        context.add_status_section("broken", lambda: 1 // 0)
         task_status.started()
         while True:
             self.ticks += 1
@@ -83,7 +84,7 @@ async def test_services_run_inside_the_node_and_report_status_sections(tmp_path:
     service = _CountingService()
     async with trio.open_nursery() as nursery:
         node, scope = await start_node(nursery, network.host, make_config(tmp_path, 0), services=[service])
-        assert service.node_seen is node
+        assert service.context_seen is node.context
         await wait_until(lambda: service.ticks >= 3, timeout=10)
         assert node.api_url is not None
         data = await trio.to_thread.run_sync(fetch_snapshot, node.api_url)

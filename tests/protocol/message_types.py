@@ -8,17 +8,16 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Annotated
 
-import prime_node.testing
 import protocol
+import tests.strategies
 from crypto.keys import Address
 from protocol.codec import ExactLen, IntRange, MaxLen, Message, message, registered_types
 
 for module in pkgutil.walk_packages(protocol.__path__, prefix="protocol."):
     importlib.import_module(module.name)
-# Hand-made strategies for types with cross-field invariants live in prime_node/testing/*_strategies.py.
-for module in pkgutil.iter_modules(prime_node.testing.__path__, prefix="prime_node.testing."):
-    if module.name.endswith("_strategies"):
-        importlib.import_module(module.name)
+# Hand-made strategies for types with cross-field invariants live in tests/strategies/.
+for module in pkgutil.iter_modules(tests.strategies.__path__, prefix="tests.strategies."):
+    importlib.import_module(module.name)
 
 
 @message("test.inner", max_bytes=4096)

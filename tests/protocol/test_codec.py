@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prime_node.testing.strategies import message_strategy
 from protocol.codec import Message, decode, decode_any, encode
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from tests.protocol.message_types import ALL_TYPES, Everything, Inner
+from tests.strategies.messages import message_strategy
 
 TYPE_IDS = [name for name, _ in ALL_TYPES]
 

@@ -17,7 +17,7 @@ from prime_node.hardware import (
     select_gpus,
     to_summary,
 )
-from prime_node.node.service import local_hardware
+from prime_node.node.runner import local_hardware
 from protocol.roles import GpuInfo
 
 # `nvidia-smi --query-gpu=index,name,memory.total,compute_cap --format=csv,noheader,nounits`

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from protocol.errors import LocalProtocolError
+from protocol.errors import InvariantError, LocalProtocolError
 from protocol.roles import (
     INFERER,
     ROLES,
@@ -134,11 +134,11 @@ def test_trainer_key_and_pins() -> None:
     pinned = _decide(LAPTOP, QWQ_32B, SwarmDemand(), pinned=INFERER)
     assert pinned.role == INFERER and "pinned by --role" in pinned.reason and "warning" in pinned.reason
     assert _decide(RTX_4090, QWEN_1B, SwarmDemand(), pinned="auto").role == INFERER
-    with pytest.raises(ValueError, match="unknown role"):
+    with pytest.raises(InvariantError, match="unknown role"):
         RolePolicyConfig(pinned="boss")
-    with pytest.raises(ValueError, match="backlog_low"):
+    with pytest.raises(InvariantError, match="backlog_low"):
         RolePolicyConfig(backlog_low=8, backlog_high=8)
-    with pytest.raises(ValueError, match="min_validators"):
+    with pytest.raises(InvariantError, match="min_validators"):
         RolePolicyConfig(min_validators=0)
 
 

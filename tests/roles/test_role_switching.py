@@ -15,6 +15,7 @@ import trio
 
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
+from prime_node.node.service import Node
 from prime_node.roles.runner import RoleRunner
 from prime_node.roles.trainer_node import build_trainer_node
 from tests.p2p.helpers import make_config, start_node, wait_until
@@ -55,10 +56,12 @@ async def test_a_free_node_validates_when_nobody_does_and_infers_once_a_validato
             )
             boot = (trainer_node.advertised_multiaddrs()[0],)
 
+            nodes: dict[int, Node] = {}
+
             async def join(index: int, key: WalletKey, role: str | None) -> RoleRunner:
                 swarm, runner = _joiner(tmp_path, index, key, role or "auto", trainer_key.address)
                 runner.min_dwell_s = DWELL_S
-                await start_node(
+                nodes[index], _ = await start_node(
                     nursery,
                     OPEN,
                     make_config(tmp_path, index, run_id=RUN_ID, bootstrap=boot),
@@ -72,11 +75,19 @@ async def test_a_free_node_validates_when_nobody_does_and_infers_once_a_validato
             free = await join(2, free_key, None)
             await wait_until(lambda: free.role == "validator", timeout=150, step=0.2)
             assert "no validator" in free.reason
+            assert nodes[2].record().role == "validator"  # the runner reports the role it chose
+            # The runner's demand taps and the validator's own handlers hear the topics side by side.
+            assert nodes[2].gossip.handler_count("rollouts") == 2
+            assert nodes[2].gossip.handler_count("verdicts") == 2
             switches_before = free.switches
 
             await join(3, validator_key, "validator")
             await wait_until(lambda: free.role == "inferer", timeout=90, step=0.2)
             assert free.switches == switches_before + 1
+            assert nodes[2].record().role == "inferer"
+            # The validator's subscriptions ended with its role; the runner's and the inferer's remain.
+            assert nodes[2].gossip.handler_count("rollouts") == 1
+            await wait_until(lambda: nodes[2].gossip.handler_count("verdicts") == 2, timeout=30)
             # It holds the role: no switch back while the demand stays as it is.
             await trio.sleep(2 * DWELL_S)
             assert free.role == "inferer" and free.switches == switches_before + 1

@@ -13,7 +13,7 @@ from crypto.digests import DIGEST_SIZE, blake3
 from crypto.keys import WalletKey
 from protocol.codec import decode, encode
 from protocol.envelope import Domain, Envelope, seal
-from protocol.errors import RemoteProtocolError
+from protocol.errors import InvariantError, RemoteProtocolError
 from protocol.manifest import (
     MAX_PATH_CHARS,
     MIN_PIECE_SIZE,
@@ -108,7 +108,7 @@ def test_envelope_checks_domain_id_and_consistency() -> None:
 
 
 def test_signing_with_a_key_that_is_not_the_manifests_signer_is_refused() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(InvariantError):
         sign_manifest(OTHER, manifest_for([("config.json", 10)]), now_ms=NOW_MS)
 
 
@@ -148,7 +148,7 @@ HOSTILE_PATHS = [
 
 @pytest.mark.parametrize("path", HOSTILE_PATHS)
 def test_hostile_paths_are_refused(path: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(InvariantError):
         FileEntry(path, 0, 10)
 
 
@@ -178,7 +178,7 @@ def test_inconsistent_layouts_are_refused() -> None:
         "run name": {"run": "Bad Run"},
     }
     for name, change in cases.items():
-        with pytest.raises(ValueError):
+        with pytest.raises(InvariantError):
             Manifest(**_raw_manifest(**change))  # type: ignore[arg-type]
             pytest.fail(f"{name} accepted")
 

@@ -21,6 +21,7 @@ from prime_node.swarm.checkpoint import (
 from prime_node.swarm.piece_store import PROGRESS_FILE, PieceStore
 from prime_node.swarm.retention import apply_retention, held_versions
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
+from protocol.errors import LocalProtocolError
 from protocol.manifest import open_manifest
 from protocol.swarm.retention import HeldVersion, versions_to_drop
 
@@ -211,5 +212,5 @@ def test_retention_rule_is_per_run() -> None:
         HeldVersion("a", 2, b"\x02"),
     ]
     assert versions_to_drop(held, async_level=5) == []
-    with pytest.raises(ValueError):
+    with pytest.raises(LocalProtocolError):
         versions_to_drop(held, async_level=-1)

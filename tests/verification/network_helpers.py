@@ -14,8 +14,14 @@ import trio
 
 from crypto.keys import WalletKey
 from prime_node.node.service import HostOpener, Node
-from prime_node.testing.adversary import Scenario, build_scenario
-from prime_node.verification.service import AdmissionService, ReputationService, ValidatorService
+from prime_node.testing.adversary import build_scenario
+from prime_node.verification.cheating import Scenario
+from prime_node.verification.service import (
+    AdmissionService,
+    ReputationService,
+    ValidatorService,
+    ValidatorSettings,
+)
 from protocol.scoring import ScoringConfig
 from tests.p2p.helpers import make_config, sees_all, start_node, wait_until
 
@@ -109,7 +115,7 @@ async def start_swarm(
             locate=extra.pop("locate", locator(scenario, directory)),
             current_step=lambda: scenario.current_step,
             reputation=reputation,
-            **{"poll_s": 0.1, **extra},
+            settings=ValidatorSettings(**{"poll_s": 0.1, **extra}),
         )
         node, _ = await start_node(
             nursery,

@@ -10,7 +10,7 @@ from crypto.keys import Address, WalletKey
 from prime_node.verification.admission import VerdictBook, apply_verdict
 from protocol.codec import decode, encode
 from protocol.envelope import EnvelopeVerifier
-from protocol.errors import RemoteProtocolError
+from protocol.errors import InvariantError, RemoteProtocolError
 from protocol.scoring import PeerScores
 from protocol.verdict import Verdict, open_verdict, seal_verdict, verdict_domain
 
@@ -82,7 +82,7 @@ def test_random_bytes_never_decode_into_anything_but_a_valid_verdict(data: bytes
 
 
 def test_inconsistent_verdicts_cannot_be_built() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(InvariantError):
         Verdict("demo", b"\x00" * 32, WORKER, 0, 0, True, ("replay",), (), ())
-    with pytest.raises(ValueError):
+    with pytest.raises(InvariantError):
         Verdict("demo", b"\x00" * 32, WORKER, 0, 0, False, ("replay", "replay"), (), ())

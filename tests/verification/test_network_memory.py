@@ -12,11 +12,12 @@ import trio
 
 from crypto.keys import WalletKey
 from prime_node.errors import NodeError
-from prime_node.testing.adversary import ATTACKS, EXPECTED_REASONS
 from prime_node.testing.memory_network import MemoryNetwork
+from prime_node.verification.cheating import ATTACKS, EXPECTED_REASONS
 from prime_node.verification.service import (
     AdmissionService,
     ValidatorService,
+    ValidatorSettings,
     publish_batch,
     publish_frame,
 )
@@ -186,11 +187,18 @@ async def test_a_batch_too_big_for_gossip_is_refused_with_a_clear_error(tmp_path
     scenario = make_scenario([validator])
     async with trio.open_nursery() as nursery:
         swarm = await start_swarm(nursery, MemoryNetwork().host, tmp_path, scenario, [validator])
+        published = swarm.inferer.metrics.counters["gossip_out"]
         with pytest.raises(NodeError, match="gossip cap") as caught:
             await publish_frame(swarm.inferer, b"\x00" * (256 * 1024 + 1))
         assert caught.value.reason == "batch_too_large"
-        await trio.sleep(0.5)
-        assert swarm.validators[0][1].status()["validated"] == 0
+        # Refused before anything reached gossip (the refusal does not yield, so no heartbeat slips in).
+        assert swarm.inferer.metrics.counters["gossip_out"] == published
+        # The validator is live and in order behind it: the next batch is the first and only one it judges.
+        service = swarm.validators[0][1]
+        batch_id = await publish_batch(swarm.inferer, scenario.key, scenario.batch(0))
+        assert await judged(service, batch_id) == ()
+        status = service.status()
+        assert status["validated"] == status["accepted"] == 1 and status["rejected"] == {}
         nursery.cancel_scope.cancel()
 
 
@@ -206,7 +214,7 @@ def test_a_networked_trainer_without_trusted_validators_is_refused() -> None:
             run_config=RunConfig.model_validate({}),
             locate=lambda step: None,
             current_step=lambda: 0,
-            queue_size=0,
+            settings=ValidatorSettings(queue_size=0),
         )
 
 

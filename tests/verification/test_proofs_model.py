@@ -12,13 +12,11 @@ torch = pytest.importorskip("torch")
 from crypto.errors import CryptoError  # noqa: E402
 from crypto.toploc import REFERENCE_THRESHOLDS  # noqa: E402
 from prime_node.ml.engine import SamplingParams, TorchEngine  # noqa: E402
+from prime_node.ml.engines import engine_spec  # noqa: E402
 from prime_node.ml.model import create_tiny_model  # noqa: E402
-from prime_node.verification.proofs import (  # noqa: E402
-    ENGINE_THRESHOLDS,
-    build_proofs,
-    check_proofs,
-    proof_failure,
-)
+from prime_node.verification.proofs import build_proofs, check_proofs, proof_failure  # noqa: E402
+
+ENGINE_THRESHOLDS = engine_spec("torch").toploc_thresholds()  # the engine these tests run
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17], [18, 19, 20]]
 SEEDS = [101, 202, 303, 404, 505]
@@ -46,7 +44,7 @@ def test_honest_generation_verifies_by_one_prefill(honest: Honest) -> None:
     assert [len(p) for p in proofs] == [258 * -(-len(c.tokens) // 32) for c in completions]
     prefills = validator_engine.prefill(PROMPTS, [c.tokens for c in completions])
     checks = check_proofs([p.hidden for p in prefills], proofs)
-    assert all(proof_failure(per) is None for per in checks)
+    assert all(proof_failure(per, ENGINE_THRESHOLDS) is None for per in checks)
     # KV-cache generation and a prefill round float32 differently (~1e-6 relative), which moves a bf16
     # value only when it sits on a rounding boundary: at most a stray mantissa step.
     assert all(c.exp_mismatches <= 1 and c.mant_err_median == 0 for per in checks for c in per)
@@ -72,7 +70,7 @@ def test_a_proof_for_other_completions_is_rejected(honest: Honest) -> None:
     assert pairs, "need two completions with the same number of chunks"
     for a, b in pairs:
         [checks] = check_proofs([prefills[a].hidden], [proofs[b]])
-        assert proof_failure(checks) is not None
+        assert proof_failure(checks, ENGINE_THRESHOLDS) is not None
 
 
 def test_a_cut_proof_is_a_crypto_error(honest: Honest) -> None:

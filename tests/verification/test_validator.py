@@ -13,18 +13,13 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 
 from crypto.keys import WalletKey
-from prime_node.testing.adversary import (
-    ATTACKS,
-    EXPECTED_REASONS,
-    Scenario,
-    build_scenario,
-    validator_for,
-)
+from prime_node.testing.adversary import build_scenario, validator_for
+from prime_node.verification.cheating import ATTACKS, EXPECTED_REASONS, Scenario
 from prime_node.verification.proving import seal_batch
 from prime_node.verification.reasons import Reason
 from protocol.codec import decode, encode
 from protocol.envelope import EnvelopeVerifier, seal
-from protocol.errors import RemoteProtocolError
+from protocol.errors import InvariantError, RemoteProtocolError
 from protocol.rollouts import pack_tokens
 from protocol.verdict import Verdict, open_verdict, seal_verdict, verdict_domain
 
@@ -182,7 +177,7 @@ def test_a_verdict_is_accepted_exactly_when_it_has_no_reasons(scenario: Scenario
     [frame] = scenario.honest_frames(13)
     verdict = check(scenario, [frame]).verdict()
     assert verdict is not None
-    with pytest.raises(ValueError):
+    with pytest.raises(InvariantError):
         replace(verdict, reasons=("replay",))
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from crypto.keys import Address
-from prime_node.testing.strategies import register_strategy
 from prime_node.verification.reasons import Reason
 from protocol.verdict import MAX_REASONS, Verdict
+from tests.strategies.messages import register_strategy
 
 
 @st.composite

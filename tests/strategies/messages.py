@@ -3,8 +3,8 @@
 ``message_strategy(cls)`` covers any registered type without hand-written generators, so the codec's
 round-trip and fuzz properties hold for every message the project defines. A type whose ``__post_init__``
 enforces cross-field invariants that random values rarely meet registers a hand-made strategy with
-``register_strategy`` from a module named ``prime_node/testing/<area>_strategies.py``: the codec's
-property tests import every such module.
+``register_strategy`` from a module in tests/strategies/: the codec's property tests import every
+module there.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from crypto.keys import Address
-from prime_node.testing.strategies import register_strategy
 from protocol.rollouts import RolloutBatch, RolloutSample, pack_logprobs, pack_tokens, proof_size
+from tests.strategies.messages import register_strategy
 
 _tokens = st.lists(st.integers(0, (1 << 31) - 1), min_size=1, max_size=40)
 

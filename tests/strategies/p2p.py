@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from crypto.identity import peer_id_from_public_key
 from crypto.keys import WalletKey
-from prime_node.testing.strategies import register_strategy
 from protocol.gossip_sequence import MAX_REPAIR_SPAN, RepairRequest
 from protocol.peer_record import MAX_MULTIADDRS, MAX_VERSIONS_HELD, ROLES, HardwareSummary, PeerRecord
+from tests.strategies.messages import register_strategy
 
 _U63 = (1 << 63) - 1
 

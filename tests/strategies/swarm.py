@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from crypto.digests import DIGEST_SIZE
 from crypto.keys import ADDRESS_SIZE, Address
-from prime_node.testing.strategies import register_strategy
 from protocol.manifest import FileEntry, Manifest, build_manifest, piece_count_for
+from tests.strategies.messages import register_strategy
 
 _component = st.text(alphabet="abcXYZ019._-", min_size=1, max_size=12).filter(lambda s: s not in (".", ".."))
 relative_paths = st.lists(_component, min_size=1, max_size=3).map("/".join)

@@ -1,0 +1,377 @@
+"""The checkpoint catalogue (protocol/swarm/catalogue.py): a hypothesis state machine over every event,
+checking the invariants after each step, plus unit tests of the rules one at a time."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from protocol.errors import LocalProtocolError
+from protocol.swarm.catalogue import (
+    MANIFEST_TIMEOUT,
+    MAX_PENDING_FOLLOWS,
+    MAX_TRACKED_OFFERS,
+    AskManifest,
+    Catalogue,
+    CatalogueAction,
+    CloseSession,
+    Drop,
+    GiveUp,
+    OpenSession,
+    SendManifest,
+    SendOffer,
+    StartFetch,
+)
+from protocol.swarm.retention import beyond_newest
+
+PEERS = st.sampled_from(["a", "b", "c", "d"])
+MIDS = st.integers(0, 11).map(lambda i: bytes([i]) * 32)
+STEPS = st.integers(0, 6)
+
+
+def mid_of(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+class CatalogueMachine(RuleBasedStateMachine):
+    """Drives a Catalogue the way the swarm service does and keeps a model of what must hold."""
+
+    @initialize(keep=st.integers(1, 3), follow=st.booleans())
+    def start(self, keep: int, follow: bool) -> None:
+        self.catalogue: Catalogue[str] = Catalogue(keep=keep, follow=follow)
+        self.now = 0.0
+        self.up: set[str] = set()
+        self.offered_to: set[tuple[str, bytes]] = set()  # our Offer sent while the peer is up
+        self.offered_by: set[tuple[str, bytes]] = set()  # its Offer received while up
+        self.verified: set[bytes] = set()  # manifests the "service" checked
+        self.to_start: set[bytes] = set()  # StartFetch received, not yet carried out
+        self.steps: dict[bytes, int] = {}
+
+    # --- carrying out actions, checking each against the model -----------------------------------------
+
+    def run(self, actions: list[CatalogueAction[str]]) -> None:
+        for action in actions:
+            if isinstance(action, SendOffer | AskManifest | SendManifest | OpenSession):
+                assert action.peer in self.up, action
+            if isinstance(action, SendOffer):
+                key = (action.peer, action.manifest_id)
+                assert key not in self.offered_to, "offered twice on one connection"
+                assert action.manifest_id in self.catalogue.versions
+                self.offered_to.add(key)
+            elif isinstance(action, OpenSession):
+                key = (action.peer, action.manifest_id)
+                assert key in self.offered_to and key in self.offered_by, "session before both offered"
+            elif isinstance(action, SendManifest):
+                assert action.manifest_id in self.catalogue.versions
+            elif isinstance(action, StartFetch):
+                assert action.manifest_id in self.verified, "followed a manifest nobody checked"
+                assert self.catalogue.follow
+                assert action.manifest_id not in self.catalogue.versions
+                self.to_start.add(action.manifest_id)
+            elif isinstance(action, Drop):
+                assert action.manifest_id not in self.catalogue.versions
+                kept = {e.step for e in self.catalogue.versions.values() if e.complete}
+                newest = sorted(kept, reverse=True)[: self.catalogue.keep]
+                assert len(newest) == self.catalogue.keep and action.step < min(newest), "dropped a newest"
+                self.forget_version(action.manifest_id)
+            elif isinstance(action, GiveUp):
+                assert action.manifest_id not in self.catalogue.pending
+            elif isinstance(action, CloseSession):
+                pass
+
+    def forget_version(self, mid: bytes) -> None:
+        self.offered_to = {k for k in self.offered_to if k[1] != mid}
+        self.offered_by = {k for k in self.offered_by if k[1] != mid}
+
+    # --- events ---------------------------------------------------------------------------------------
+
+    @rule(peer=PEERS)
+    def peer_up(self, peer: str) -> None:
+        if peer in self.up:
+            return
+        self.up.add(peer)
+        self.run(self.catalogue.peer_up(peer, self.now))
+
+    @precondition(lambda self: self.up)
+    @rule(data=st.data())
+    def peer_down(self, data: st.DataObject) -> None:
+        peer = data.draw(st.sampled_from(sorted(self.up)))
+        self.up.discard(peer)
+        self.offered_to = {k for k in self.offered_to if k[0] != peer}
+        self.offered_by = {k for k in self.offered_by if k[0] != peer}
+        actions = self.catalogue.peer_down(peer)
+        assert {a.manifest_id for a in actions if isinstance(a, CloseSession)} == set(self.catalogue.versions)
+        self.run(actions)
+
+    @precondition(lambda self: self.up)
+    @rule(data=st.data(), mid=MIDS, step=STEPS, have_manifest=st.booleans())
+    def offer(self, data: st.DataObject, mid: bytes, step: int, have_manifest: bool) -> None:
+        peer = data.draw(st.sampled_from(sorted(self.up)))
+        if have_manifest:
+            self.verified.add(mid)
+        if mid in self.catalogue.versions:
+            self.offered_by.add((peer, mid))
+        follow = self.catalogue.follow
+        actions = self.catalogue.offer_received(peer, mid, step, self.now, have_manifest=have_manifest)
+        if not follow:
+            assert not any(isinstance(a, StartFetch) for a in actions)
+        self.run(actions)
+
+    @precondition(lambda self: self.up)
+    @rule(data=st.data(), mid=MIDS)
+    def manifest_requested(self, data: st.DataObject, mid: bytes) -> None:
+        peer = data.draw(st.sampled_from(sorted(self.up)))
+        actions = self.catalogue.manifest_requested(peer, mid)
+        assert bool(actions) == (mid in self.catalogue.versions)
+        self.run(actions)
+
+    @rule(mid=MIDS, step=STEPS, have_manifest=st.booleans())
+    def announce(self, mid: bytes, step: int, have_manifest: bool) -> None:
+        if have_manifest:
+            self.verified.add(mid)
+        self.run(self.catalogue.heard_of(mid, step, self.now, have_manifest=have_manifest))
+
+    @rule(mid=MIDS)
+    def fetch_by_id(self, mid: bytes) -> None:
+        self.run(self.catalogue.request_manifest(mid, self.now, patient=True))
+        assert self.catalogue.pending[mid].asked == self.up
+
+    @precondition(lambda self: any(p.patient for p in self.catalogue.pending.values()))
+    @rule(data=st.data())
+    def fetch_cancelled(self, data: st.DataObject) -> None:
+        mid = data.draw(st.sampled_from(sorted(m for m, p in self.catalogue.pending.items() if p.patient)))
+        self.catalogue.release_manifest(mid)
+
+    @precondition(lambda self: self.catalogue.pending)
+    @rule(data=st.data(), good=st.booleans())
+    def manifest_arrives(self, data: st.DataObject, good: bool) -> None:
+        mid = data.draw(st.sampled_from(sorted(self.catalogue.pending)))
+        if good:
+            self.verified.add(mid)
+            self.run(self.catalogue.manifest_verified(mid))
+        else:
+            self.catalogue.manifest_refused(mid)
+            assert mid not in self.catalogue.following
+        assert mid not in self.catalogue.pending
+
+    @precondition(lambda self: self.to_start)
+    @rule(data=st.data(), starts=st.booleans(), step=STEPS)
+    def carry_out_fetch(self, data: st.DataObject, starts: bool, step: int) -> None:
+        mid = data.draw(st.sampled_from(sorted(self.to_start)))
+        self.to_start.discard(mid)
+        if starts and mid not in self.catalogue.versions:
+            self.add(mid, step, complete=False)
+        else:
+            self.catalogue.follow_ended(mid)
+
+    @rule(mid=MIDS, step=STEPS, complete=st.booleans())
+    def share_or_fetch(self, mid: bytes, step: int, complete: bool) -> None:
+        if mid in self.catalogue.versions:
+            with pytest.raises(LocalProtocolError):
+                self.catalogue.add_version(mid, step, complete=complete)
+            return
+        self.add(mid, step, complete=complete)
+
+    def add(self, mid: bytes, step: int, *, complete: bool) -> None:
+        for peer, step_offered in self.catalogue.offers.get(mid, {}).items():
+            assert peer in self.up and step_offered >= 0
+            self.offered_by.add((peer, mid))
+        self.steps[mid] = step
+        self.run(self.catalogue.add_version(mid, step, complete=complete))
+        assert mid not in self.catalogue.following
+        assert {p for p, m in self.offered_to if m == mid} == self.up
+
+    @precondition(lambda self: any(not e.complete for e in self.catalogue.versions.values()))
+    @rule(data=st.data())
+    def completes(self, data: st.DataObject) -> None:
+        mid = data.draw(
+            st.sampled_from(sorted(m for m, e in self.catalogue.versions.items() if not e.complete))
+        )
+        self.run(self.catalogue.version_complete(mid))
+        self.check_retained()
+
+    @precondition(lambda self: self.catalogue.versions)
+    @rule(data=st.data())
+    def fetch_fails(self, data: st.DataObject) -> None:
+        mid = data.draw(st.sampled_from(sorted(self.catalogue.versions)))
+        self.catalogue.remove_version(mid)
+        self.forget_version(mid)
+
+    @rule()
+    def retain(self) -> None:
+        self.run(self.catalogue.retain())
+        self.check_retained()
+
+    @rule(seconds=st.sampled_from([0.5, 5.0, MANIFEST_TIMEOUT / 2, MANIFEST_TIMEOUT]))
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+        self.run(self.catalogue.tick(self.now))
+        for pending in self.catalogue.pending.values():  # answered, or expired
+            assert pending.patient or self.now - pending.last_asked < MANIFEST_TIMEOUT
+
+    @rule(keep=st.integers(1, 3), follow=st.booleans())
+    def settings_change(self, keep: int, follow: bool) -> None:
+        self.catalogue.keep = keep
+        self.catalogue.follow = follow
+
+    def check_retained(self) -> None:
+        complete_steps = {e.step for e in self.catalogue.versions.values() if e.complete}
+        assert len(complete_steps) <= self.catalogue.keep
+
+    # --- invariants -----------------------------------------------------------------------------------
+
+    @invariant()
+    def offers_are_bounded_and_of_versions_not_held(self) -> None:
+        catalogue = self.catalogue
+        assert len(catalogue.offers) <= MAX_TRACKED_OFFERS
+        assert not set(catalogue.offers) & set(catalogue.versions)
+        for holders in catalogue.offers.values():
+            assert set(holders) <= self.up
+
+    @invariant()
+    def bookkeeping_matches_the_connections(self) -> None:
+        assert set(self.catalogue.peers) == self.up
+        for entry in self.catalogue.versions.values():
+            assert entry.offered_to <= self.up
+            assert entry.offered_by <= self.up
+            assert {p for p, m in self.offered_to if m == entry.manifest_id} == entry.offered_to
+
+    @invariant()
+    def pending_manifests_are_bounded_and_waited_for(self) -> None:
+        follows = 0
+        for mid, pending in self.catalogue.pending.items():
+            assert pending.asked <= self.up
+            assert pending.patient >= 0
+            if not pending.patient:
+                follows += 1
+                assert mid in self.catalogue.following, "a manifest request nobody waits for"
+        assert follows <= MAX_PENDING_FOLLOWS
+
+    @invariant()
+    def following_only_what_is_not_held(self) -> None:
+        assert not self.catalogue.following & set(self.catalogue.versions)
+
+
+TestCatalogueMachine = CatalogueMachine.TestCase
+TestCatalogueMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+# --- the rules one at a time ---------------------------------------------------------------------------
+
+
+def test_a_session_opens_once_both_sides_offered_in_either_order() -> None:
+    catalogue: Catalogue[str] = Catalogue(keep=2, follow=False)
+    mid = mid_of(1)
+    assert catalogue.peer_up("a", 0.0) == []
+    assert catalogue.add_version(mid, 3, complete=True) == [SendOffer("a", mid, 3)]
+    assert catalogue.offer_received("a", mid, 3, 0.0, have_manifest=True) == [OpenSession("a", mid)]
+    # The other order: the peer offers before we hold the version.
+    other = mid_of(2)
+    assert catalogue.offer_received("a", other, 4, 0.0, have_manifest=False) == []
+    assert catalogue.offers[other] == {"a": 4}
+    assert catalogue.add_version(other, 4, complete=False) == [
+        SendOffer("a", other, 4),
+        OpenSession("a", other),
+    ]
+    assert other not in catalogue.offers
+    # A new neighbour gets an offer of each version; its own offer then opens the session.
+    assert catalogue.peer_up("b", 1.0) == [SendOffer("b", mid, 3), SendOffer("b", other, 4)]
+    assert catalogue.offer_received("b", other, 4, 1.0, have_manifest=True) == [OpenSession("b", other)]
+    assert catalogue.peer_down("b") == [CloseSession("b", mid), CloseSession("b", other)]
+
+
+def test_offers_of_unknown_versions_are_bounded_oldest_forgotten_first() -> None:
+    catalogue: Catalogue[str] = Catalogue(keep=1, follow=False)
+    catalogue.peer_up("a", 0.0)
+    for i in range(MAX_TRACKED_OFFERS + 10):
+        catalogue.offer_received("a", i.to_bytes(32, "big"), i, 0.0, have_manifest=False)
+    assert len(catalogue.offers) == MAX_TRACKED_OFFERS
+    assert (0).to_bytes(32, "big") not in catalogue.offers
+    assert (MAX_TRACKED_OFFERS + 9).to_bytes(32, "big") in catalogue.offers
+
+
+def test_following_asks_every_neighbour_then_fetches_the_checked_manifest() -> None:
+    catalogue: Catalogue[str] = Catalogue(keep=2, follow=True)
+    catalogue.peer_up("a", 0.0)
+    mid = mid_of(5)
+    assert catalogue.offer_received("a", mid, 9, 0.0, have_manifest=False) == [AskManifest("a", mid)]
+    assert catalogue.peer_up("b", 1.0) == [AskManifest("b", mid)]
+    assert catalogue.manifest_verified(mid) == [StartFetch(mid)]
+    assert catalogue.pending == {}
+    catalogue.add_version(mid, 9, complete=False)
+    assert catalogue.following == set()
+    # An announcement whose manifest is already checked starts the fetch at once.
+    assert catalogue.heard_of(mid_of(6), 10, 1.0, have_manifest=True) == [StartFetch(mid_of(6))]
+
+
+def test_no_following_when_disabled_or_when_keep_newer_versions_are_held() -> None:
+    catalogue: Catalogue[str] = Catalogue(keep=2, follow=False)
+    catalogue.peer_up("a", 0.0)
+    assert catalogue.heard_of(mid_of(1), 5, 0.0, have_manifest=True) == []
+    catalogue.follow = True
+    catalogue.add_version(mid_of(2), 6, complete=True)
+    catalogue.add_version(mid_of(3), 7, complete=False)
+    assert catalogue.heard_of(mid_of(1), 5, 0.0, have_manifest=True) == []  # older than the two held
+    assert catalogue.heard_of(mid_of(1), 8, 0.0, have_manifest=True) == [StartFetch(mid_of(1))]
+    assert catalogue.heard_of(mid_of(1), 8, 0.0, have_manifest=True) == []  # already following
+
+
+def test_a_followed_manifest_nobody_sends_expires_but_a_patient_request_waits() -> None:
+    catalogue: Catalogue[str] = Catalogue(keep=2, follow=True)
+    catalogue.peer_up("a", 0.0)
+    followed, fetched = mid_of(1), mid_of(2)
+    catalogue.heard_of(followed, 3, 0.0, have_manifest=False)
+    catalogue.request_manifest(fetched, 0.0, patient=True)
+    assert catalogue.tick(MANIFEST_TIMEOUT - 1) == []
+    catalogue.peer_up("b", MANIFEST_TIMEOUT - 1)  # a new peer to ask: the clock restarts
+    assert catalogue.tick(MANIFEST_TIMEOUT + 1) == []
+    assert catalogue.tick(2 * MANIFEST_TIMEOUT) == [GiveUp(followed)]
+    assert followed not in catalogue.following and followed not in catalogue.pending
+    assert fetched in catalogue.pending
+    catalogue.release_manifest(fetched)
+    assert fetched not in catalogue.pending
+
+
+def test_follow_requests_are_bounded() -> None:
+    catalogue: Catalogue[str] = Catalogue(keep=1, follow=True)
+    catalogue.peer_up("a", 0.0)
+    for i in range(MAX_PENDING_FOLLOWS + 5):
+        catalogue.offer_received("a", i.to_bytes(32, "big"), 100 + i, 0.0, have_manifest=False)
+    assert len(catalogue.pending) == MAX_PENDING_FOLLOWS
+    # A checked manifest needs no request, so the bound does not stop the trainer's own announcements.
+    assert catalogue.heard_of(mid_of(255), 1000, 0.0, have_manifest=True) == [StartFetch(mid_of(255))]
+
+
+def test_retention_keeps_the_newest_keep_complete_steps() -> None:
+    catalogue: Catalogue[str] = Catalogue(keep=2, follow=False)
+    for step in (1, 2, 3):
+        catalogue.add_version(mid_of(step), step, complete=True)
+    catalogue.add_version(mid_of(9), 9, complete=False)  # fetching: not counted
+    assert catalogue.retain() == [Drop(mid_of(1), 1)]
+    assert catalogue.version_complete(mid_of(9)) == [Drop(mid_of(2), 2)]
+    assert sorted(catalogue.versions) == [mid_of(3), mid_of(9)]
+
+
+def test_invariants_raise_protocol_errors() -> None:
+    with pytest.raises(LocalProtocolError):
+        Catalogue[str](keep=0, follow=True)
+    catalogue: Catalogue[str] = Catalogue(keep=1, follow=True)
+    catalogue.add_version(mid_of(1), 1, complete=False)
+    with pytest.raises(LocalProtocolError):
+        catalogue.add_version(mid_of(1), 1, complete=False)
+    with pytest.raises(LocalProtocolError):
+        catalogue.version_complete(mid_of(2))
+    with pytest.raises(LocalProtocolError):
+        beyond_newest([], keep=0)
+
+
+def test_the_retention_rule_keeps_whole_steps() -> None:
+    class V:
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+    versions = [V(5), V(4), V(4), V(3)]
+    assert [v.step for v in beyond_newest(versions, keep=2)] == [3]
+    assert beyond_newest(versions, keep=3) == []
