@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import import_graph as graph
+
 ROOT = Path(__file__).resolve().parent.parent
 IO_AND_CLOCK = {
     "trio",
@@ -166,3 +168,104 @@ def test_the_os_checker_sees_os_and_stray_entropy(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("import os\nimport secrets\nfrom pathlib import Path\n")
     assert _imported_roots(module) & OS_ACCESS == {"os", "secrets", "pathlib"}
+
+
+# -- no import cycles; imports inside functions only for heavy modules -----------------------------------
+
+OURS = ("crypto", "protocol", "prime_node")
+# Deferred imports exist for speed: `prime-node --help` imports none of these (tests/cli checks the first
+# six), and a node that does not train never pays for the ML stack. Each costs ≳10 ms to import, or pulls
+# in a native stack: torch/transformers/tokenizers/safetensors/numpy/pyarrow (the ML stack, seconds),
+# libp2p/multiaddr (the network stack), trio, pydantic (the run config), rich (terminal UI), typer,
+# coincurve/Crypto/blake3/msgpack (crypto/ and protocol/ import them: ~100 ms), h11, urllib (http.client,
+# email, ssl: ~20 ms), platformdirs.
+HEAVY_LIBRARIES = frozenset(
+    {
+        "torch",
+        "transformers",
+        "tokenizers",
+        "safetensors",
+        "numpy",
+        "pyarrow",
+        "libp2p",
+        "multiaddr",
+        "trio",
+        "pydantic",
+        "rich",
+        "typer",
+        "coincurve",
+        "Crypto",
+        "blake3",
+        "msgpack",
+        "h11",
+        "urllib",
+        "platformdirs",
+    }
+)
+# prime_node/ml is the ML stack's package: only the commands and roles that run a model import it
+# (ml/__init__.py), so a module outside it may defer an import of it even where torch itself is deferred.
+HEAVY_PACKAGES = ("prime_node.ml",)
+
+
+def _in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def _cheap_deferred_imports(root: Path, tops: tuple[str, ...]) -> list[str]:
+    """Imports inside functions whose module is cheap: they belong at the top of the file."""
+    files = graph.module_files(root, tops)
+    imports = graph.all_imports(files)
+    cheap: list[str] = []
+    for imp in imports:
+        if not imp.deferred or imp.type_only:
+            continue
+        if imp.ours:
+            heavy = bool(graph.executed_at_import(imp.module, imports, files) & HEAVY_LIBRARIES) or any(
+                _in_package(imp.module, p) and not _in_package(imp.importer, p) for p in HEAVY_PACKAGES
+            )
+        else:
+            heavy = imp.module.split(".")[0] in HEAVY_LIBRARIES
+        if not heavy:
+            cheap.append(f"{files[imp.importer].relative_to(root)}:{imp.line} {imp.module}")
+    return sorted(set(cheap))
+
+
+def test_no_import_cycles_between_modules() -> None:
+    """Deferred and TYPE_CHECKING imports count: a cycle hidden in a function is still a cycle."""
+    assert graph.cycles(graph.module_graph(graph.all_imports(graph.module_files(ROOT, OURS)))) == []
+
+
+def test_no_import_cycles_between_subpackages() -> None:
+    """prime_node.ml ↔ prime_node.tasks and the like: each subpackage sits above or below another."""
+    modules = graph.module_graph(graph.all_imports(graph.module_files(ROOT, OURS)))
+    assert graph.cycles(graph.collapse(modules)) == []
+
+
+def test_imports_inside_functions_are_only_for_heavy_modules() -> None:
+    """Ruff's PLC0415 cannot tell a heavy module from a cheap one, so this is the allow-list."""
+    assert _cheap_deferred_imports(ROOT, OURS) == []
+
+
+def test_the_graph_checker_sees_planted_cycles_and_cheap_deferred_imports(tmp_path: Path) -> None:
+    def write(relative: str, text: str) -> None:
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    write("pkg/__init__.py", "from pkg.a.one import ONE\n")  # a re-export is not a cycle
+    write("pkg/a/__init__.py", "")
+    write("pkg/a/one.py", "import json\nONE = 1\ndef f():\n    from pkg.a import two\n")
+    write("pkg/a/two.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .one import ONE\n")
+    write("pkg/a/three.py", "from pkg.b.four import FOUR\n")
+    write("pkg/b/__init__.py", "")
+    write("pkg/b/four.py", "import torch\nFOUR = 4\ndef g():\n    import os\n    import torch\n")
+    write("pkg/b/five.py", "def h():\n    from pkg.a.one import ONE\n    from pkg.a.three import x\n")
+    files = graph.module_files(tmp_path, ("pkg",))
+    modules = graph.module_graph(graph.all_imports(files))
+    assert graph.cycles(modules) == [["pkg.a.one", "pkg.a.two"]]
+    assert graph.cycles(graph.collapse(modules)) == [["pkg.a", "pkg.b"]]
+    assert _cheap_deferred_imports(tmp_path, ("pkg",)) == [
+        "pkg/a/one.py:4 pkg.a.two",
+        "pkg/b/five.py:2 pkg.a.one",
+        "pkg/b/four.py:4 os",
+    ]

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from prime_node.cli.options import JsonOption
+from prime_node.errors import NodeError
 
 
 def register(app: typer.Typer) -> None:
@@ -57,7 +58,6 @@ def demo(
 ) -> None:
     """Start a whole swarm on this machine and train a tiny model until its held-out reward rises."""
     from prime_node.demo.orchestrator import DemoOptions, DemoStopped, run_demo
-    from prime_node.errors import NodeError
     from prime_node.verification.cheating import ATTACKS
 
     kind: str | None = None if adversary == "none" else adversary

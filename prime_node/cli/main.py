@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from prime_node import __version__
+from prime_node.errors import NodeError
 
 # Each module defines ``register(app: typer.Typer) -> None``. Add one line per command module.
 COMMAND_MODULES = (
@@ -72,7 +73,6 @@ def build_app() -> typer.Typer:
 def main() -> None:
     """Console-script entry point: our own errors become one line on stderr and exit status 1."""
     from crypto.errors import CryptoError
-    from prime_node.errors import NodeError
     from protocol.errors import ProtocolError
 
     try:

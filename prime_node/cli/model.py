@@ -8,7 +8,10 @@ from typing import Annotated
 
 import typer
 
+from prime_node.assets import copy_demo_model
 from prime_node.cli.options import JsonOption
+from prime_node.errors import NodeError
+from prime_node.tasks.arithmetic import ArithmeticTask
 
 
 def register(app: typer.Typer) -> None:
@@ -42,8 +45,6 @@ def init_model(
     as_json: JsonOption = False,
 ) -> None:
     """Write a tiny causal LM as a Hugging Face model directory, warmed up on the task unless told not to."""
-    from prime_node.errors import NodeError
-
     if not tiny:
         raise NodeError(
             "only --tiny models can be created; point the run config at any HF model directory",
@@ -62,7 +63,6 @@ def init_model(
                 "--from-package is the 2-digit arithmetic model, warmed up: no --task, --digits, --no-warmup",
                 reason="bad_flag",
             )
-        from prime_node.assets import copy_demo_model
 
         info = copy_demo_model(out_dir)
         keys = ("parameters", "warmup_steps", "warmup_probe_accuracy", "heldout_accuracy")
@@ -72,7 +72,6 @@ def init_model(
 
     from prime_node.ml.model import create_tiny_model, parameter_count, save_model_dir
     from prime_node.ml.warmup import supervised_warmup
-    from prime_node.tasks.arithmetic import ArithmeticTask
 
     torch.set_num_threads(1)  # a 0.1M-parameter model is overhead-bound: more threads only contend
     model, tokenizer = create_tiny_model(seed)
@@ -108,8 +107,7 @@ def filter_tasks(
 ) -> None:
     """Offline pass-rate filter: keep the training tasks whose pass rate under MODEL lies in [lo, hi]."""
     from prime_node.config import load_run_config
-    from prime_node.errors import NodeError
-    from prime_node.tasks.filter import filter_by_pass_rate
+    from prime_node.ml.task_filter import filter_by_pass_rate
 
     run = load_run_config(config)
     model_dir = model or run.model_dir

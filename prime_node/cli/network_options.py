@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 
 from prime_node.cli.options import KeystoreOption, NoPasswordOption, PasswordEnvOption, PasswordFileOption
+from prime_node.errors import NodeError
+from prime_node.paths import KEYSTORE_ENV, default_data_dir
 
 if TYPE_CHECKING:
     from crypto.keys import WalletKey
@@ -86,8 +89,6 @@ class NodeFlags:
 
     def directory(self) -> Path:
         """--data-dir, else $PRIME_NODE_DATA_DIR (or the user data dir)."""
-        from prime_node.paths import default_data_dir
-
         return self.data_dir if self.data_dir is not None else default_data_dir()
 
     def config(self, run: str, *, role: str = "auto", dead_after: float = 0.0) -> NodeConfig:
@@ -176,7 +177,6 @@ def network_config(
     dead_after: float = 0.0,
 ) -> NodeConfig:
     """A checked NodeConfig from the flags above; NodeError (one line) on a bad value."""
-    from prime_node.errors import NodeError
     from prime_node.node_config import NodeConfig
     from prime_node.p2p.libp2p_host import parse_multiaddr
 
@@ -216,11 +216,7 @@ def node_key(
 ) -> WalletKey:
     """The node's wallet key: --keystore, else $PRIME_NODE_KEYSTORE, else DATA_DIR/keystore.json; with
     --new-wallet a missing keystore is created first."""
-    import os
-
     from crypto.keys import WalletKey
-    from prime_node.errors import NodeError
-    from prime_node.paths import KEYSTORE_ENV
     from prime_node.wallet_store import LIGHT_SCRYPT, PasswordSource, create_keystore, unlock_keystore
 
     path = keystore or (

@@ -9,6 +9,7 @@ import typer
 
 from prime_node.cli.network_options import DEFAULT_FLAGS, DataDirOption, NodeFlags, RunOption, with_node_flags
 from prime_node.cli.options import JsonOption
+from prime_node.errors import NodeError
 
 
 def register(app: typer.Typer) -> None:
@@ -44,7 +45,6 @@ def join(
     a role (inferer, validator or seeder: from hardware and demand, or pinned with --role), fetch and
     re-serve checkpoints, and serve the status API."""
     from prime_node.cli.network_options import dataplane_host_for
-    from prime_node.errors import NodeError
 
     directory = node.directory()
     config = node.config(run, role=role, dead_after=dead_after)
@@ -97,7 +97,6 @@ def join(
 def _parse_trainer(text: str | None) -> Any:
     from crypto.errors import CryptoError
     from crypto.keys import Address
-    from prime_node.errors import NodeError
 
     if text is None:
         return None

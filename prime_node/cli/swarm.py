@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -12,6 +14,7 @@ import typer
 
 from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, RunOption, with_node_flags
 from prime_node.cli.options import JsonOption
+from prime_node.errors import NodeError
 
 if TYPE_CHECKING:
     from crypto.keys import WalletKey
@@ -107,7 +110,6 @@ def fetch(
     """Download checkpoint MANIFEST_ID from the swarm, verify every piece, write it to --out atomically.
     A rerun after an interruption resumes from the pieces already verified in --data-dir."""
     from crypto.keys import Address
-    from prime_node.errors import NodeError
     from prime_node.swarm.service import SwarmService
 
     try:
@@ -182,11 +184,7 @@ def fetch(
 
 def _probe_writable(parent: Path) -> None:
     """Fail before downloading if --out's directory cannot take a file (permission, read-only, full)."""
-    import os
-    import tempfile
-
     from prime_node.atomic_files import node_error_from_os
-    from prime_node.errors import NodeError
 
     for ancestor in (parent, *parent.parents):
         if ancestor.exists():

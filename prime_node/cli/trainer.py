@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, with_node_flags
+from prime_node.errors import NodeError
 
 
 def register(app: typer.Typer) -> None:
@@ -46,7 +47,6 @@ def run_trainer(
     policy through the weight swarm, gossips the signed run config, and trains only on batches its
     trusted validators accepted. Networking flags are those of `join`."""
     from prime_node.config import load_run_config
-    from prime_node.errors import NodeError
 
     overrides: dict[str, object] = {}
     if model is not None:
@@ -105,7 +105,6 @@ def run_trainer(
 def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool) -> None:
     """The networked trainer node (prime_node/roles/trainer_node.py)."""
     from prime_node.cli.network_options import dataplane_host_for
-    from prime_node.errors import NodeError
     from prime_node.roles.trainer_node import build_trainer_node, run_trainer_node
 
     node_config = flags.config(run.run_id)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from prime_node.cli.options import JsonOption
+from prime_node.errors import NodeError
 
 if TYPE_CHECKING:
     from prime_node.verification.validator import ValidationResult
@@ -39,8 +40,6 @@ def validate(
     as_json: JsonOption = False,
 ) -> None:
     """Check one rollout batch file and print the verdict with its reasons."""
-    from prime_node.errors import NodeError
-
     try:
         with batch_file.open("rb") as handle:
             frame = handle.read(MAX_FILE_BYTES + 1)

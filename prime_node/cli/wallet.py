@@ -15,6 +15,7 @@ from prime_node.cli.options import (
     PasswordEnvOption,
     PasswordFileOption,
 )
+from prime_node.paths import default_keystore_path
 
 if TYPE_CHECKING:
     from crypto.keys import WalletKey
@@ -33,8 +34,6 @@ def register(app: typer.Typer) -> None:
 
 
 def _keystore_path(keystore: Path | None) -> Path:
-    from prime_node.paths import default_keystore_path
-
     return keystore if keystore is not None else default_keystore_path()
 
 

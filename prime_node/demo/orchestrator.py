@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from prime_node.assets import copy_demo_model
 from prime_node.atomic_files import write_atomically
 from prime_node.demo.setup import (
     DemoPlan,
@@ -29,7 +30,7 @@ from prime_node.demo.setup import (
     trainer_command,
     write_run_config,
 )
-from prime_node.demo.summary import finished, summarize
+from prime_node.demo.summary import finished, summarize, training_progress
 from prime_node.demo.supervisor import Child, Supervisor
 from prime_node.errors import NodeError
 
@@ -121,8 +122,6 @@ def make_model(model_dir: Path, say: Callable[[str], None]) -> dict[str, Any]:
 
     Not warmed up here: the same seeded warm-up trains a different model on another CPU (DESIGN §11), so
     every machine starts the demo from these same weights."""
-    from prime_node.assets import copy_demo_model
-
     started = time.monotonic()
     info = copy_demo_model(model_dir)
     info["seconds"] = round(time.monotonic() - started, 1)
@@ -325,8 +324,6 @@ class Demo:
         )
 
     def _progress_line(self) -> str:
-        from prime_node.demo.summary import training_progress
-
         assert self.plan is not None
         step, held_out = training_progress(self.snapshots.get("trainer"))
         answered = sum(1 for s in self.snapshots.values() if s is not None)

@@ -9,6 +9,7 @@ the kernel for SIGTERM when the demo dies, so even a SIGKILLed demo leaves nothi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -58,7 +59,6 @@ def _death_signal_setter() -> Callable[[], None] | None:
     libc is looked up here, in the parent, so the child runs no import (nothing that takes a lock)."""
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes
 
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl

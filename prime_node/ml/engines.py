@@ -14,13 +14,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from crypto.toploc import CALIBRATED_THRESHOLDS, Thresholds
 from prime_node.errors import NodeError
-
-if TYPE_CHECKING:
-    from prime_node.ml.engine import TorchEngine
+from prime_node.ml.engine import TorchEngine
+from prime_node.ml.model import load_model
 
 DEFAULT_ENGINE: Final = "torch"
 """The family of ``RunConfig.engine``'s default, for the few callers that hold a model but no config."""
@@ -47,8 +46,6 @@ class EngineSpec:
 
 
 def _build_torch(model: Any, tokenizer: Any, policy_step: int) -> TorchEngine:
-    from prime_node.ml.engine import TorchEngine
-
     return TorchEngine(
         model,
         eos_token_id=tokenizer.eos_token_id,
@@ -91,8 +88,6 @@ def load_engine(
 ) -> TorchEngine:
     """``setup_engine`` over the model in ``model_dir`` (Hugging Face layout, safetensors only). The
     family is checked before the model is read, so a bad config fails without loading weights."""
-    from prime_node.ml.model import load_model
-
     engine_spec(engine)
     return setup_engine(
         load_model(model_dir, device=device), tokenizer, engine=engine, policy_step=policy_step

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
+from prime_node.ml.tokenizer import load_tokenizer
+
 _STEP = struct.Struct(">Q")
 _LENGTH = struct.Struct(">I")
 NOTICE_SIZE = 9
@@ -107,7 +109,6 @@ def _generate(
     from prime_node.ml.checkpoint import read_weights, step_dir
     from prime_node.ml.engines import load_engine
     from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch, with_tied_head
-    from prime_node.ml.tokenizer import load_tokenizer
     from prime_node.tasks.factory import build_task
     from protocol.codec import encode
 

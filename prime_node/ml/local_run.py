@@ -7,7 +7,7 @@ trainer works on step k, batch k+1 (policy k+1-a, already published) is being ge
 its index, so a run is deterministic whatever the thread timing, and a restarted run continues exactly.
 
 With ``local_inference = "process"`` the inference stage is a child process instead of a thread
-(``ChildInference``; for small models two threads mostly contend for the GIL).
+(``ChildInference`` in inference_stages.py; for small models two threads mostly contend for the GIL).
 
 Resume, the step, checkpoints and evaluation are the ``TrainingSession``'s (``session.py``), shared with
 the networked trainer: batch k is appended (fsynced) to ``OUT/rollouts.log`` before step k trains on
@@ -19,12 +19,9 @@ broadcasts each batch; every rank admits it identically and trains on its shard.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -36,14 +33,11 @@ import torch
 
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
-from prime_node.ml.checkpoint import read_weights, step_dir
 from prime_node.ml.distributed import DistInfo
-from prime_node.ml.engine import TorchEngine
 from prime_node.ml.engines import load_engine
-from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch, with_tied_head
+from prime_node.ml.inference_stages import ChildInference, PolicyStore, inference_loop
 from prime_node.ml.session import TrainingSession
 from prime_node.ml.trainer import StepMetrics
-from prime_node.tasks.base import TaskSource
 from protocol.codec import decode, encode
 from protocol.rollouts import RolloutBatch
 
@@ -77,182 +71,6 @@ class LocalRunResult:
             return 0.0
         span = self.step_done_s[-1] - self.step_done_s[0]
         return (len(self.step_done_s) - 1) / span if span > 0 else 0.0
-
-
-class PolicyStore:
-    """Policy weights published by the training loop, awaited by the inference thread."""
-
-    def __init__(self, checkpoint_root: Path, keep: int) -> None:
-        self._root = checkpoint_root
-        self._keep = keep
-        self._weights: dict[int, dict[str, torch.Tensor]] = {}
-        self._latest = -1
-        self._cond = threading.Condition()
-        self.stopped = False
-
-    def publish(self, step: int, weights: dict[str, torch.Tensor]) -> None:
-        with self._cond:
-            self._weights[step] = weights
-            self._latest = max(self._latest, step)
-            for old in sorted(self._weights)[: -self._keep]:
-                del self._weights[old]
-            self._cond.notify_all()
-
-    def mark_available(self, step: int) -> None:
-        """Policies up to ``step`` exist on disk (after a restart)."""
-        with self._cond:
-            self._latest = max(self._latest, step)
-            self._cond.notify_all()
-
-    def stop(self) -> None:
-        with self._cond:
-            self.stopped = True
-            self._cond.notify_all()
-
-    def wait_for(self, step: int) -> dict[str, torch.Tensor] | None:
-        with self._cond:
-            while self._latest < step and not self.stopped:
-                self._cond.wait()
-            if self.stopped:
-                return None
-            found = self._weights.get(step)
-        return found if found is not None else read_weights(step_dir(self._root, step))
-
-
-class ChildInference:
-    """The inference stage in a child process (``local_inference = "process"``); see
-    prime_node/ml/inference_worker.py for the byte protocol. ``get`` mirrors the thread stage's queue."""
-
-    def __init__(
-        self,
-        config: RunConfig,
-        source: Path,
-        start: int,
-        skip: list[int],
-        root: Path,
-        start_weights: dict[str, torch.Tensor],
-    ) -> None:
-        import subprocess
-        import sys
-
-        import prime_node
-
-        self.handoff = config.output_dir / "inference-handoff"
-        shutil.rmtree(self.handoff, ignore_errors=True)
-        self.handoff.mkdir(parents=True)
-        self.keep = config.async_level + 2
-        self.start = start
-        self._write_handoff(start, start_weights)
-
-        package_root = str(Path(prime_node.__file__).resolve().parents[1])
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
-        }
-        command = [
-            sys.executable,
-            "-m",
-            "prime_node.ml.inference_worker",
-            "--config-json",
-            config.model_dump_json(),
-            "--source",
-            str(source),
-            "--checkpoints",
-            str(root),
-            "--start",
-            str(start),
-            "--end",
-            str(config.max_steps),
-            "--skip",
-            json.dumps(skip),
-            "--handoff",
-            str(self.handoff),
-        ]
-        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._lock = threading.Lock()
-
-    def publish(self, step: int, weights: dict[str, torch.Tensor]) -> None:
-        """Hand policy ``step`` to the child: a weights file in the hand-off directory (not fsynced: it is
-        a message, not a checkpoint), then a notice. Older hand-off files are removed."""
-        from prime_node.ml.inference_worker import handoff_path, step_notice
-
-        self._write_handoff(step, weights)
-        self._notice(step_notice(step))
-        if step - self.keep != self.start:  # the child may still be starting up from that one
-            handoff_path(self.handoff, step - self.keep).unlink(missing_ok=True)
-
-    def _write_handoff(self, step: int, weights: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
-        from prime_node.ml.inference_worker import handoff_path
-
-        path = handoff_path(self.handoff, step)
-        save_file(weights, str(path.with_suffix(".tmp")))
-        os.replace(path.with_suffix(".tmp"), path)
-
-    def _notice(self, notice: bytes) -> None:
-        assert self._process.stdin is not None
-        with self._lock, contextlib.suppress(OSError, ValueError):
-            self._process.stdin.write(notice)
-            self._process.stdin.flush()
-
-    def get(self) -> tuple[int, Any]:
-        from prime_node.ml.inference_worker import parse_batch_message, read_message
-
-        assert self._process.stdout is not None
-        message = read_message(self._process.stdout)
-        if message is None:
-            return -1, NodeError("the inference process exited unexpectedly", reason="inference_failed")
-        parsed = parse_batch_message(message)
-        if isinstance(parsed, str):
-            return -1, NodeError(f"the inference process failed: {parsed}", reason="inference_failed")
-        k, frame = parsed
-        return k, (decode(frame, RolloutBatch), frame)
-
-    def stop(self) -> None:
-        from prime_node.ml.inference_worker import STOP
-
-        self._notice(STOP)
-        with contextlib.suppress(OSError, ValueError):
-            assert self._process.stdin is not None
-            self._process.stdin.close()
-        try:
-            self._process.wait(timeout=30)
-        except Exception:
-            self._process.kill()
-            self._process.wait()
-        if self._process.stdout is not None:
-            self._process.stdout.close()
-        shutil.rmtree(self.handoff, ignore_errors=True)
-
-
-def _inference_loop(
-    engine: TorchEngine,
-    store: PolicyStore,
-    out: queue.Queue[tuple[int, Any]],
-    task: TaskSource,
-    tokenizer: Any,
-    config: RunConfig,
-    steps: list[int],
-    threads: int,
-) -> None:
-    # torch's intra-op thread count is per OS thread here (OpenMP): a new thread would otherwise use
-    # every core, oversubscribing the CPU the training thread needs (measured: 10x slower matmuls).
-    torch.set_num_threads(threads)
-    try:
-        for k in steps:
-            policy = max(0, k - config.async_level)
-            weights = store.wait_for(policy)
-            if weights is None:
-                return
-            if engine.policy_step != policy:
-                engine.load_weights(with_tied_head(engine.model, weights), policy)
-            batch = make_batch(
-                engine, task, tokenizer, config, worker=LOCAL_WORKER, policy_step=policy, batch_counter=k
-            )
-            out.put((k, (batch, encode(batch))))  # encoded here, off the training thread
-    except BaseException as exc:  # handed to the training loop, which re-raises it
-        out.put((-1, exc))
 
 
 def _configure_threads(config: RunConfig, world_size: int) -> None:
@@ -323,7 +141,7 @@ class LocalRun:
         )
         to_generate = [k for k in range(self.start, self.config.max_steps) if k not in self.replay]
         thread = threading.Thread(
-            target=_inference_loop,
+            target=inference_loop,
             args=(
                 engine,
                 self.store,

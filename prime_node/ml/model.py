@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prime_node.errors import NodeError
+from prime_node.ml.tokenizer import build_char_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -55,8 +56,6 @@ def create_tiny_model(seed: int, spec: TinySpec = TinySpec()) -> tuple[Any, Any]
     """A freshly initialised (model, tokenizer) pair; deterministic in ``seed``."""
     import torch
     from transformers import Qwen2ForCausalLM
-
-    from prime_node.ml.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = tiny_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, spec)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prime_node.ml.evaluation import greedy_accuracy
 from prime_node.tasks.arithmetic import ArithmeticTask
 
 
@@ -39,7 +40,6 @@ def supervised_warmup(
     import torch
 
     from prime_node.ml.engines import setup_engine
-    from prime_node.ml.evaluation import greedy_accuracy
 
     generator = torch.Generator().manual_seed(seed)
     pool: Sequence[int] = task.train_ids()

@@ -6,6 +6,8 @@ summary is the caller's to probe (``prime_node.node.runner.local_hardware``); th
 ``Node.run`` is started with ``nursery.start``; it reports ready once the host listens, the heartbeat
 topic is subscribed and node.json is written, and it stops when its nursery is cancelled (SIGINT/SIGTERM
 in the CLI), marking node.json stopped on the way out.
+One module over 400 lines on purpose: the Node's loops (heartbeats, membership, discovery, bootstrap)
+share its host, membership and record, and the I/O-free rules they apply already live in protocol/.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from prime_node.node.gossip import Delivered, GossipService
 from prime_node.node.heartbeats import DirectHeartbeats
 from prime_node.node.metrics import NodeMetrics
 from prime_node.node.peers import PeerPolicy
+from prime_node.node.status_api import serve_status
 from prime_node.node_config import NodeConfig
 from prime_node.p2p.interface import P2PHost, PeerAddresses
 from protocol.codec import encode
@@ -226,8 +229,6 @@ class Node:
                 for service in self.services:
                     await nursery.start(service.run, context)
                 if self.serve_api:
-                    from prime_node.status.server import serve_status
-
                     self.api_url = await nursery.start(serve_status, self, self.config.api_port)
                 self.metrics.event(
                     clock.uptime(), "start", f"listening on {', '.join(self.advertised_multiaddrs())}"

@@ -9,12 +9,16 @@ Choices forced by what py-libp2p 0.8.1 does (DESIGN §11):
   topic; we raise it and do flood control ourselves, per origin, in protocol/scoring.py.
 - The ``libp2p`` logger reports expected failures (a peer went away) at ERROR; we cap it at CRITICAL
   unless the user asks for debug logs.
+
+One module over 400 lines on purpose: it is the whole adapter to py-libp2p, so everything that knows the
+library's quirks (bind errors, stream ends, gossipsub and Kademlia set-up) stays behind one interface.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -301,8 +305,6 @@ def _bind_error(exc: BaseException) -> OSError | None:
 
 def _why_bind_fails(listen_addr: Any) -> str:
     """Reproduce the bind py-libp2p attempted, to tell the user why it failed."""
-    import socket
-
     try:
         host = listen_addr.value_for_protocol("ip4")
         port = int(listen_addr.value_for_protocol("tcp"))

@@ -20,6 +20,7 @@ builds the service passes another one — the demo's cheating inferer passes a `
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -93,8 +94,6 @@ class HonestProducer:
         counter: int,
         now_ms: int,
     ) -> list[bytes]:
-        import time
-
         import torch
 
         from prime_node.ml.rollout_batch import make_batch

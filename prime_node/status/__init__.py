@@ -1,1 +1,2 @@
-"""The node's read-only status: a JSON snapshot and Prometheus metrics on 127.0.0.1, and the TUI."""
+"""What reads a node's status: the HTTP client, the terminal views and the section formats. The node
+serves the snapshot itself (prime_node/node/snapshot.py, status_api.py); nothing here imports node/."""

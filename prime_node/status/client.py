@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_node.errors import NodeError
+from prime_node.paths import default_data_dir
 
 MAX_SNAPSHOT_BYTES = 8 << 20
 
@@ -16,7 +17,6 @@ MAX_SNAPSHOT_BYTES = 8 << 20
 def resolve_api_url(api: str | None, data_dir: Path | None) -> str:
     if api:
         return api.rstrip("/")
-    from prime_node.paths import default_data_dir
 
     node_file = (data_dir if data_dir is not None else default_data_dir()) / "node.json"
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prime_node.tasks.arithmetic import ArithmeticTask
 from prime_node.verification.cheating import Scenario
 
 
@@ -19,7 +20,6 @@ def build_scenario(
     from prime_node.config import RunConfig
     from prime_node.ml.engines import setup_engine
     from prime_node.ml.model import create_tiny_model
-    from prime_node.tasks.arithmetic import ArithmeticTask
 
     model, tokenizer = create_tiny_model(model_seed)
     config = RunConfig(

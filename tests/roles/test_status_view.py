@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console, RenderableType
 
+from prime_node.node.snapshot import prometheus_text
 from prime_node.status.sections import availability_bar, sparkline
-from prime_node.status.snapshot import prometheus_text
 from prime_node.status.swarm_view import render_swarm
 from prime_node.status.tui import render
 from protocol.roles import GpuInfo, HardwareProfile

@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import h11
 import trio
 
 from prime_node.errors import NodeError
-from prime_node.status.snapshot import prometheus_text, snapshot
-
-if TYPE_CHECKING:
-    from prime_node.node.service import Node
+from prime_node.node.snapshot import StatusSource, prometheus_text, snapshot
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 16 << 10
 REQUEST_TIMEOUT = 5.0
 
 
-async def serve_status(node: Node, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_status(node: StatusSource, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     try:
         listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
     except OSError as exc:
@@ -38,14 +35,14 @@ async def serve_status(node: Node, port: int, *, task_status: Any = trio.TASK_ST
             nursery.start_soon(_accept_loop, node, listener, nursery)
 
 
-async def _accept_loop(node: Node, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+async def _accept_loop(node: StatusSource, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
     async with listener:
         while True:
             stream = await listener.accept()
             nursery.start_soon(_serve_one, node, stream)
 
 
-async def _serve_one(node: Node, stream: trio.SocketStream) -> None:
+async def _serve_one(node: StatusSource, stream: trio.SocketStream) -> None:
     connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
     try:
         with trio.move_on_after(REQUEST_TIMEOUT):
@@ -81,7 +78,7 @@ async def _read_request(connection: h11.Connection, stream: trio.SocketStream) -
             return None
 
 
-def _respond(node: Node, request: h11.Request) -> tuple[int, str, bytes]:
+def _respond(node: StatusSource, request: h11.Request) -> tuple[int, str, bytes]:
     if request.method not in (b"GET", b"HEAD"):
         return 405, "text/plain", b"read-only API: GET /status or /metrics\n"
     path = request.target.split(b"?")[0]

@@ -1,18 +1,56 @@
-"""The status snapshot: one JSON-ready dict describing a running node, and its Prometheus form."""
+"""The status snapshot: one JSON-ready dict describing a running node, and its Prometheus form.
+
+It reads the node through ``StatusSource``, the part of the Node it shows, so this module sits below
+node/service.py (which starts the status API) instead of in a cycle with it. prime_node/status/ holds
+what reads a snapshot (client, terminal views) and imports nothing from node/.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from prime_node.node.context import NodeIdentity, StatusSection
+from prime_node.node.metrics import NodeMetrics
+from prime_node.node.peers import PeerPolicy
+from prime_node.node_config import NodeConfig
+from prime_node.p2p.interface import P2PHost
 from prime_node.status.section_metrics import section_lines
-
-if TYPE_CHECKING:
-    from prime_node.node.service import Node
+from protocol.membership import Membership
+from protocol.peer_record import PeerRecord
 
 SNAPSHOT_VERSION = 1
 
 
-def snapshot(node: Node) -> dict[str, Any]:
+class StatusSource(Protocol):
+    """What a status snapshot reads from a node (``prime_node.node.service.Node`` is one)."""
+
+    @property
+    def config(self) -> NodeConfig: ...
+    @property
+    def identity(self) -> NodeIdentity: ...
+    @property
+    def metrics(self) -> NodeMetrics: ...
+    @property
+    def membership(self) -> Membership[PeerRecord]: ...
+    @property
+    def host(self) -> P2PHost: ...
+    @property
+    def policy(self) -> PeerPolicy: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def is_running(self) -> bool: ...
+    @property
+    def api_url(self) -> str | None: ...
+    @property
+    def status_sections(self) -> dict[str, StatusSection]: ...
+    def now(self) -> float: ...
+    def uptime(self) -> float: ...
+    def latency_ms(self, peer_id: str) -> int | None: ...
+    def advertised_multiaddrs(self) -> list[str]: ...
+
+
+def snapshot(node: StatusSource) -> dict[str, Any]:
     running = node.is_running
     connected = set(node.host.connected_peers()) if running else set()
     peers = []
@@ -65,7 +103,7 @@ def snapshot(node: Node) -> dict[str, Any]:
     }
 
 
-def _sections(node: Node) -> dict[str, Any]:
+def _sections(node: StatusSource) -> dict[str, Any]:
     """What the node's services report (role, checkpoints, rollouts, ...); one failing section is shown as
     its error rather than breaking the whole snapshot."""
     sections: dict[str, Any] = {}

@@ -4,7 +4,8 @@ For each training task, ``samples`` completions are drawn with the run's tempera
 sampling rule (seeds from the schedule hash of a fixed filter worker, so the result is reproducible);
 tasks whose mean score lies in [low, high] are written as JSONL lines ``{"task_id", "pass_rate",
 "prompt"}``; for file-based tasks each line also carries the task's own record fields, so the output is
-itself a valid task file for the next run.
+itself a valid task file for the next run. It lives in ml/, not tasks/, because it drives an engine:
+tasks/ stays below ml/.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from pathlib import Path
 from crypto.keys import Address
 from prime_node.atomic_files import atomic_writer
 from prime_node.config import RunConfig
+from prime_node.ml.engine import SamplingParams
+from prime_node.ml.engines import load_engine
+from prime_node.ml.evaluation import completion_text, encode_prompt
+from prime_node.ml.tokenizer import load_tokenizer
+from prime_node.tasks.factory import build_task
 from protocol import schedule
 
 FILTER_WORKER = Address(b"\xff" * 20)
@@ -32,12 +38,6 @@ def filter_by_pass_rate(
     batch_tasks: int = 32,
 ) -> tuple[int, int]:
     """Write the kept tasks to ``out``; returns (kept, examined)."""
-    from prime_node.ml.engine import SamplingParams
-    from prime_node.ml.engines import load_engine
-    from prime_node.ml.evaluation import completion_text, encode_prompt
-    from prime_node.ml.tokenizer import load_tokenizer
-    from prime_node.tasks.factory import build_task
-
     task = build_task(run.task)
     tokenizer = load_tokenizer(model_dir)
     engine = load_engine(model_dir, tokenizer, engine=run.engine)
