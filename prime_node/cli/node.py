@@ -59,7 +59,7 @@ def join(
             raise NodeError(f"--adversary must be one of {', '.join(ATTACKS)}", reason="bad_config")
     key = node.key()
     from prime_node.node.runner import run_node_until_signal
-    from prime_node.roles.runner import RoleRunner
+    from prime_node.roles.runner import RoleRunner, RoleSettings
     from prime_node.swarm.service import SwarmService
 
     swarm = SwarmService(
@@ -86,9 +86,7 @@ def join(
         swarm=swarm,
         data_dir=directory,
         gpus=gpus,
-        pinned=role,
-        trainer=pinned,
-        adversary=adversary,
+        settings=RoleSettings(pinned=role, trainer=pinned, adversary=adversary),
         on_trusted=trusted,
     )
     run_node_until_signal(config, key, echo=typer.echo, services=[swarm, runner])

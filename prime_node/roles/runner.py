@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,8 +111,24 @@ def requirements_for(config: RunConfig, checkpoint: Path) -> RunRequirements:
     )
 
 
+@dataclass(frozen=True)
+class RoleSettings:
+    """How a node picks and runs its role (the ``join`` flags)."""
+
+    pinned: str | None = None
+    """``--role``: a fixed role; None or "auto" lets the policy choose."""
+    trainer: Address | None = None
+    """``--trainer``: the only trainer whose run announcements are believed (None: trust on first use)."""
+    adversary: str | None = None
+    """``--adversary``: publish this cheat (prime_node/verification/cheating.py) instead of honest work."""
+    interval: float = 5.0
+    """Seconds between role decisions."""
+    min_dwell_s: float = 60.0
+    """A role is kept at least this long before the policy may switch away."""
+
+
 class RoleRunner:
-    """See the module doc. ``pinned``: ``--role`` (None or "auto" lets the policy choose)."""
+    """See the module doc."""
 
     def __init__(
         self,
@@ -121,22 +138,19 @@ class RoleRunner:
         swarm: SwarmService,
         data_dir: Path,
         gpus: GpuSelection,
-        pinned: str | None = None,
-        trainer: Address | None = None,
-        adversary: str | None = None,
-        interval: float = 5.0,
-        min_dwell_s: float = 60.0,
+        settings: RoleSettings | None = None,
         on_trusted: Any = None,
     ) -> None:
+        settings = settings or RoleSettings()
         self.key = key
         self.swarm = swarm
         self.data_dir = data_dir
         self.gpus = gpus
-        self.pinned = None if pinned in (None, "auto") else pinned
-        self.adversary = adversary
-        self.interval = interval
-        self.min_dwell_s = min_dwell_s
-        self.follower = RunFollower(run_id, pinned=trainer, on_trusted=on_trusted)
+        self.pinned = None if settings.pinned in (None, "auto") else settings.pinned
+        self.adversary = settings.adversary
+        self.interval = settings.interval
+        self.min_dwell_s = settings.min_dwell_s
+        self.follower = RunFollower(run_id, pinned=settings.trainer, on_trusted=on_trusted)
         self.meter = BacklogMeter()
         self.config: RunConfig | None = None
         self.profile: HardwareProfile | None = None

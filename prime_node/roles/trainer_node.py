@@ -47,7 +47,7 @@ def build_trainer_node(
     announce_period: float = 5.0,
 ) -> TrainerNode:
     from prime_node.roles.announcement import RunAnnouncer
-    from prime_node.roles.trainer_service import TrainerService, check_trainer_key
+    from prime_node.roles.trainer_service import TrainerOptions, TrainerService, check_trainer_key
     from prime_node.swarm.service import SwarmService
     from prime_node.verification.admission_service import AdmissionService
 
@@ -68,9 +68,8 @@ def build_trainer_node(
         run_config=run_config,
         swarm=swarm,
         admission=admission,
-        model_dir=model_dir,
+        options=TrainerOptions(model_dir=model_dir, stop_when_done=stop_when_done),
         on_step=on_step,
-        stop_when_done=stop_when_done,
     )
     announcer = RunAnnouncer(key=key, run_config=trainer.config, period=announce_period)
     return TrainerNode(swarm, announcer, admission, trainer)

@@ -95,8 +95,23 @@ class Timing:
     eval_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class TrainerOptions:
+    """How the networked trainer runs (the ``run-trainer`` flags beyond the run config)."""
+
+    model_dir: Path | None = None
+    """Start from this model directory instead of the run config's ``model_dir``."""
+    stop_when_done: bool = False
+    """Leave ``run`` after ``max_steps`` (default: keep seeding the checkpoints)."""
+    evaluate: bool = True
+    """Held-out evaluation every ``eval_every`` steps."""
+    fill_wait_s: float = 0.5
+    """How long a step waits for more admitted batches once it has some (a step takes one batch's worth
+    of prompts)."""
+
+
 class TrainerService:
-    """See the module doc. ``stop_when_done``: leave ``run`` after ``max_steps`` (default: keep seeding)."""
+    """See the module doc."""
 
     def __init__(
         self,
@@ -105,14 +120,13 @@ class TrainerService:
         run_config: RunConfig,
         swarm: Sharer,
         admission: AcceptedSource,
-        model_dir: Path | None = None,
-        stop_when_done: bool = False,
+        options: TrainerOptions | None = None,
         on_step: Any = None,
-        evaluate: bool = True,
-        fill_wait_s: float = 0.5,
     ) -> None:
+        options = options or TrainerOptions()
+        model_dir, stop_when_done, evaluate = options.model_dir, options.stop_when_done, options.evaluate
         self.key = key
-        self.fill_wait_s = fill_wait_s
+        self.fill_wait_s = options.fill_wait_s
         self.config = check_trainer_key(run_config, key)
         self.base = model_dir or self.config.model_dir
         if self.base is None:

@@ -19,7 +19,7 @@ from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.hardware import GpuSelection
 from prime_node.p2p.libp2p_host import open_libp2p_host
-from prime_node.roles.runner import RoleRunner
+from prime_node.roles.runner import RoleRunner, RoleSettings
 from prime_node.roles.trainer_node import build_trainer_node
 from prime_node.swarm.service import SwarmService
 from tests.p2p.helpers import make_config, start_node, wait_until
@@ -56,10 +56,7 @@ def _joiner(
         swarm=swarm,
         data_dir=tmp_path / f"node{index}",
         gpus=GpuSelection("none"),
-        pinned=role,
-        trainer=trainer,
-        adversary=adversary,
-        interval=0.5,
+        settings=RoleSettings(pinned=role, trainer=trainer, adversary=adversary, interval=0.5),
     )
     return swarm, runner
 
