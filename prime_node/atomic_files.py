@@ -29,13 +29,18 @@ def node_error_from_os(exc: OSError, action: str) -> NodeError:
     return NodeError(f"cannot {action}{where}: {exc.strerror or exc}", reason="io_error")
 
 
-def fsync_directory(directory: Path) -> None:
-    """Make a rename or a new name in ``directory`` durable (raises OSError)."""
-    descriptor = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Flush ``path`` to disk: a file's data, or a directory's entries (raises OSError)."""
+    descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename or a new name in ``directory`` durable (raises OSError)."""
+    fsync_path(directory)
 
 
 def temporary_sibling(path: Path) -> Path:

@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from prime_node.atomic_files import fsync_directory, fsync_path
 from prime_node.errors import NodeError
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -47,14 +48,6 @@ class Checkpoint:
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def model_weights(model: Any) -> dict[str, torch.Tensor]:
@@ -129,11 +122,11 @@ def write_checkpoint(
     save_file(tensors, str(tmp / "optimizer.safetensors"), metadata=metadata)
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **extra}, sort_keys=True))
     for item in tmp.iterdir():
-        _fsync_file(item)
+        fsync_path(item)
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_file(root)
+    fsync_directory(root)
     return Checkpoint(step, final)
 
 
