@@ -10,7 +10,8 @@ A manifest's id is BLAKE3 of its canonical encoding (the codec admits one byte f
 also the envelope's payload: ``fetch ID`` can check any envelope it is handed against the id it asked for.
 
 Everything in a manifest is hostile input until checked, so ``__post_init__`` refuses: paths that are
-absolute, contain ``..`` or odd characters, repeat (also case-insensitively, for case-folding file
+absolute, contain ``..`` or odd characters, name a device Windows reserves (``COM1``, ``nul.txt``) or end
+with a dot, repeat (also case-insensitively, for case-folding file
 systems) or put a file "inside" another file; offsets that leave gaps or overlap; a piece count or root
 that does not match; sizes beyond the caps below.
 """
@@ -41,6 +42,11 @@ MAX_TOTAL_SIZE = MAX_PIECES * MAX_PIECE_SIZE
 MAX_MANIFEST_BYTES = MAX_PIECES * DIGEST_SIZE + MAX_FILES * (MAX_PATH_CHARS + 32) + 4096
 _ROOT_TAG = b"prime-node/swarm/root/v1"
 _COMPONENT = re.compile(r"^[A-Za-z0-9._+=@,-]+$")
+# Device names Windows reserves in every directory, with or without an extension ("nul.txt" opens the
+# null device there); a peer on Windows must be able to write every file of a manifest it accepts.
+_WINDOWS_DEVICES = frozenset(
+    {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(10)), *(f"LPT{i}" for i in range(10))}
+)
 
 
 def check_relative_path(path: str) -> None:
@@ -62,6 +68,11 @@ def check_relative_path(path: str) -> None:
         if len(part) > MAX_COMPONENT_CHARS or not _COMPONENT.match(part):
             raise InvariantError(
                 f"path component {part[:60]!r} is too long or has characters outside [A-Za-z0-9._+=@,-]",
+                reason="bad_manifest",
+            )
+        if part.split(".", 1)[0].upper() in _WINDOWS_DEVICES or part.endswith("."):
+            raise InvariantError(
+                f"path component {part[:60]!r} is a reserved device name or ends with '.' on Windows",
                 reason="bad_manifest",
             )
 

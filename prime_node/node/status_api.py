@@ -2,6 +2,10 @@
 
 GET /status → the JSON snapshot; GET /metrics → Prometheus text. One request per connection, bounded
 request size and time: the API is local and read-only, so it needs nothing more.
+
+Binding to loopback is not enough on its own: a web page the user visits can point its own DNS name at
+127.0.0.1 (DNS rebinding) and read the API through the browser. Such a request still names the
+attacker's host in its ``Host`` header, so only loopback host names are answered (421 otherwise).
 """
 
 from __future__ import annotations
@@ -19,6 +23,14 @@ from prime_node.node.snapshot import StatusSource, prometheus_text, snapshot
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 16 << 10
 REQUEST_TIMEOUT = 5.0
+LOOPBACK_HOSTS = frozenset({b"127.0.0.1", b"localhost", b"[::1]"})
+
+
+def is_loopback_host(host: bytes) -> bool:
+    """Whether a ``Host`` header names this machine's loopback (with or without a port)."""
+    name = host.strip().lower()
+    bracketed = name.startswith(b"[")  # an IPv6 literal carries colons of its own
+    return (name[: name.find(b"]") + 1] if bracketed else name.split(b":", 1)[0]) in LOOPBACK_HOSTS
 
 
 async def serve_status(node: StatusSource, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -79,6 +91,10 @@ async def _read_request(connection: h11.Connection, stream: trio.SocketStream) -
 
 
 def _respond(node: StatusSource, request: h11.Request) -> tuple[int, str, bytes]:
+    hosts = [value for name, value in request.headers if name == b"host"]
+    if len(hosts) != 1 or not is_loopback_host(hosts[0]):
+        log.warning("status API refused a request for host %r (only loopback names are served)", hosts[:1])
+        return 421, "text/plain", b"this API answers only requests for 127.0.0.1 or localhost\n"
     if request.method not in (b"GET", b"HEAD"):
         return 405, "text/plain", b"read-only API: GET /status or /metrics\n"
     path = request.target.split(b"?")[0]

@@ -25,13 +25,13 @@ from protocol.manifest import (
     piece_root,
     sign_manifest,
 )
+from tests.strategies.swarm import relative_paths
 
 TRAINER = WalletKey(bytes(31) + b"\x07")
 OTHER = WalletKey(bytes(31) + b"\x09")
 NOW_MS = 1_700_000_000_000
 
-component = st.text(alphabet="abcXYZ019._-", min_size=1, max_size=12).filter(lambda s: s not in (".", ".."))
-paths = st.lists(component, min_size=1, max_size=3).map("/".join)
+paths = relative_paths
 
 
 def manifest_for(files: list[tuple[str, int]], piece_size: int = MIN_PIECE_SIZE, step: int = 1) -> Manifest:
