@@ -17,7 +17,7 @@ from pathlib import Path
 from prime_node.errors import NodeError
 from prime_node.tasks.base import ListedProblems
 from prime_node.tasks.records import read_records, require_text
-from prime_node.tasks.sandbox import run_python
+from prime_node.tasks.sandbox import check_sandbox, run_python
 
 log = logging.getLogger(__name__)
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -38,6 +38,7 @@ class CodeTask(ListedProblems):
         memory_mb: int = 512,
         name: str = "code",
     ) -> None:
+        check_sandbox()  # refuse now, clearly, where completions could not be confined
         super().__init__(problems, name=name, kind="code")
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb

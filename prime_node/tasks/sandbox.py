@@ -1,69 +1,67 @@
-"""Run untrusted Python in a subprocess with time, memory, process and network limits.
+"""Run untrusted Python confined, as root or as an ordinary user: the code task's reward runs hostile code.
 
-Layers, from the outside in:
-- wall-clock timeout in the parent; on expiry the child's process group is SIGKILLed and every process
-  still owned by the sandbox's throw-away uid is killed by pid;
-- a launcher (a separate, single-threaded Python process, so no fork-safety issues in the trainer)
-  that, before exec'ing the program:
-  * enters a new network namespace (``unshare(CLONE_NEWNET)``, needs root/CAP_SYS_ADMIN): no interface
-    is up there, not even loopback, so every connect fails;
-  * sets rlimits: address space (memory), CPU seconds, file size, open files, no core dumps;
-  * when root, drops to a fresh unprivileged uid/gid with RLIMIT_NPROC, which bounds fork bombs (root
-    itself ignores RLIMIT_NPROC);
-- Python's isolated mode (``-I -S``) and a prologue that replaces socket constructors (defence in depth
-  where the namespace is unavailable, i.e. not running as root).
-The program's stdout is discarded; stderr goes to a size-limited file. Files are not isolated beyond
-the unprivileged uid: the code can read world-readable files but write nowhere it does not own.
+One path for everyone: unprivileged user namespaces (see sandbox_launcher.py for the mechanics). The
+program sees a new root holding only read-only binds of the Python install and the system libraries,
+a size-limited private /tmp (its scratch and working directory) and /dev/shm, a few device nodes and
+its own /proc; it has no network (a network namespace with no interface up), no capabilities, no view
+of other processes, and rlimits on memory, CPU, processes, file size and open files. It is the child of
+PID 1 of its own PID namespace, so when it exits, or the wall-clock timeout here kills the launcher's
+process group, the kernel kills everything it forked. Its stdout is discarded; stderr goes to an
+in-memory file bounded by the file-size limit, of which the tail is kept.
+
+Where the kernel refuses user namespaces (sysctl off, an AppArmor restriction, a seccomp filter) nothing
+runs: ``check_sandbox`` (called when a code task is configured) and ``run_python`` raise NodeError
+``sandbox_unavailable`` naming the setting to change. There is no weaker fallback.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import marshal
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from prime_node.errors import NodeError
+from prime_node.paths import default_data_dir, default_keystore_path
+from prime_node.tasks.sandbox_launcher import TIMED_OUT
 
-_LAUNCHER = r"""
-import ctypes, os, resource, sys
-uid, memory, cpu, nproc = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-interpreter, target = sys.argv[5], sys.argv[6]
-libc = ctypes.CDLL(None, use_errno=True)
-libc.unshare(0x40000000)  # CLONE_NEWNET; fails without root/CAP_SYS_ADMIN (the prologue still applies)
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
-resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-if os.getuid() == 0:
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-os.execv(interpreter, [interpreter, "-I", "-S", "-B", target])
+LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+PROGRAM_PATH = "/tmp/prime-node-sandbox-program.py"  # inside the sandbox's private /tmp
+_LIBRARY_DIRS = ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32")
+_FILES = ("/etc/ld.so.cache",)
+_STDERR_TAIL = 2000
+_LAUNCHER_GRACE_S = 5.0
+UNAVAILABLE_HINT = (
+    "code tasks run completions in a sandbox built from unprivileged user namespaces, which this system "
+    "refuses. Enable them (as root): `sysctl -w user.max_user_namespaces=15000`; on Debian and older "
+    "Ubuntu also `sysctl -w kernel.unprivileged_userns_clone=1`; on Ubuntu 23.10 and later "
+    "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` (or an AppArmor profile that allows "
+    "userns for this Python); inside a container, allow the unshare/clone of user namespaces in its "
+    "seccomp profile"
+)
+_PROBE = """\
+import _socket, errno, os
+s = _socket.socket()
+try:
+    s.connect(("127.0.0.1", 9))
+except OSError as exc:
+    assert exc.errno == errno.ENETUNREACH, exc
+else:
+    raise SystemExit("the sandbox has a network")
+try:
+    open("/escaped", "w")
+except OSError:
+    pass
+else:
+    raise SystemExit("the sandbox's root is writable")
 """
-
-_PROLOGUE = """\
-import socket as _prime_socket
-def _prime_no_network(*args, **kwargs):
-    raise OSError("network access is disabled in the sandbox")
-_prime_socket.socket = _prime_no_network
-_prime_socket.create_connection = _prime_no_network
-_prime_socket.socketpair = _prime_no_network
-del _prime_socket, _prime_no_network
-"""
-
-_UID_BASE = 2_000_000
-_uid_counter = itertools.count()
-_uid_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -75,109 +73,177 @@ class SandboxResult:
     stderr_tail: str
 
 
-def _world_executable(path: Path) -> bool:
-    """Whether an unprivileged uid can run ``path`` (the file and every parent directory)."""
-    try:
-        if path.stat().st_mode & 0o005 != 0o005:
-            return False
-        return all(parent.stat().st_mode & 0o001 for parent in path.parents)
-    except OSError:
-        return False
-
-
 def sandbox_interpreter() -> Path:
-    """A Python the sandbox uid may execute: ours if world-executable, else the system's python3."""
-    for candidate in (
-        Path(sys.executable).resolve(),
-        Path("/usr/bin/python3").resolve(),
-        Path("/usr/local/bin/python3").resolve(),
-    ):
-        if candidate.is_file() and (os.getuid() != 0 or _world_executable(candidate)):
-            return candidate
-    raise NodeError(
-        "no Python interpreter an unprivileged user can execute was found for the code sandbox",
-        reason="sandbox_unavailable",
-    )
+    """The Python binary the program runs on (ours, resolved: its install is what the sandbox exposes)."""
+    return Path(sys.executable).resolve()
 
 
-def _fresh_uid() -> int:
-    with _uid_lock:
-        return _UID_BASE + (os.getpid() % 10_000) * 1000 + next(_uid_counter) % 1000
+def _add_symlinks(path: str, links: dict[str, str]) -> None:
+    """Record each symlink on the way to ``path`` (e.g. /lib64 -> usr/lib64) to recreate it inside."""
+    current = ""
+    for part in Path(path).parts[1:]:
+        current = f"{current}/{part}"
+        if os.path.islink(current):
+            links[current] = os.readlink(current)
+            current = os.path.realpath(current)
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process owned by the sandbox uid (found by scanning /proc), by pid."""
-    for _ in range(3):
-        found = False
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                status = (entry / "status").read_text()
-            except OSError:
-                continue
-            line = next((ln for ln in status.splitlines() if ln.startswith("Uid:")), "")
-            if line.split()[1:2] == [str(uid)]:
-                found = True
-                with contextlib.suppress(OSError):
-                    os.kill(int(entry.name), signal.SIGKILL)
-        if not found:
-            return
-        time.sleep(0.01)
+def read_only_tree(interpreter: Path) -> tuple[list[str], list[tuple[str, str]]]:
+    """Host directories bound read-only into the sandbox (the Python install, system libraries) and
+    the symlinks leading to them."""
+    links: dict[str, str] = {}
+    real: set[str] = set()
+    for path in (sys.base_prefix, sys.base_exec_prefix, str(interpreter.parent), *_LIBRARY_DIRS):
+        if os.path.isdir(path):
+            _add_symlinks(path, links)
+            resolved = os.path.realpath(path)
+            if resolved != "/":
+                real.add(resolved)
+    binds = sorted(p for p in real if not any(p.startswith(q + "/") for q in real))
+    inside = [(link, target) for link, target in sorted(links.items()) if not _under(link, binds)]
+    return binds, inside
+
+
+def hidden_inside(binds: list[str]) -> list[str]:
+    """The user's home and prime-node's data and keystore dirs where they lie inside a bound install
+    (Python installed with prefix ~/.local, say): covered by an empty read-only tmpfs in the sandbox."""
+    private = {default_data_dir(), default_keystore_path().parent}
+    with contextlib.suppress(RuntimeError, KeyError):  # no home directory known: nothing to hide
+        private.add(Path.home())
+    found = {os.path.realpath(p) for p in private}
+    return sorted(p for p in found if any(p.startswith(b + "/") for b in binds))
+
+
+def _under(path: str, roots: list[str]) -> bool:
+    return any(path == root or path.startswith(root + "/") for root in roots)
+
+
+def _process_budget(max_processes: int) -> int:
+    """RLIMIT_NPROC for the program. Since Linux 5.14 it counts per user namespace; before, it counts
+    every process of the uid, so an ordinary user's own processes are added."""
+    release = tuple(int(n) for n in re.findall(r"\d+", os.uname().release)[:2])
+    if os.geteuid() == 0 or release >= (5, 14):
+        return max_processes + 1  # the sandbox's init shares the program's uid when not root
+    own = 0
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and entry.stat().st_uid == os.geteuid():
+                own += 1
+    return max_processes + 1 + own
+
+
+def _read_written(fd: int) -> bytes:
+    """What the (dead) launcher processes wrote; never blocks, should some unrelated fork of this
+    process still hold the write end."""
+    os.set_blocking(fd, False)
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _tail(fd: int) -> str:
+    size = os.fstat(fd).st_size
+    return os.pread(fd, _STDERR_TAIL, max(0, size - _STDERR_TAIL)).decode("utf-8", errors="replace")
+
+
+def _wait(process: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """``process.wait(timeout_s)`` woken by the exit itself (a pidfd), not by Popen's polling, which
+    sleeps up to 50 ms past it: this runs once per completion."""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except OSError:  # Linux < 5.3
+        return process.wait(timeout=timeout_s)
+    try:
+        if not select.select([pidfd], [], [], timeout_s)[0]:
+            raise subprocess.TimeoutExpired(process.args, timeout_s)
+    finally:
+        os.close(pidfd)
+    return process.wait()
+
+
+def unavailable(detail: str) -> NodeError:
+    message = f"the code sandbox cannot start ({detail}): {UNAVAILABLE_HINT}"
+    return NodeError(message, reason="sandbox_unavailable")
 
 
 def run_python(
-    source: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_processes: int = 32
+    source: str,
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    max_processes: int = 32,
+    scratch_mb: int = 8,
 ) -> SandboxResult:
-    """Run ``source`` as a Python program under the limits above; passed = exit status 0 in time."""
-    uid = _fresh_uid()
-    as_root = os.getuid() == 0
-    with tempfile.TemporaryDirectory(prefix="prime-node-sandbox-") as tmp:
-        folder = Path(tmp)
-        os.chmod(folder, 0o755)
-        program = folder / "main.py"
-        program.write_text(_PROLOGUE + source, encoding="utf-8")
-        os.chmod(program, 0o644)
-        stderr_path = folder / "stderr.txt"
-        cpu_seconds = max(1, int(timeout_s + 0.999))
+    """Run ``source`` confined (module docstring); passed = exit status 0 within ``timeout_s``.
+
+    ``scratch_mb`` bounds each of the private /tmp and /dev/shm. Raises NodeError ``sandbox_unavailable``
+    when the confinement cannot be built: the program then never ran.
+    """
+    interpreter = sandbox_interpreter()
+    binds, links = read_only_tree(interpreter)
+    status_r, status_w = os.pipe()
+    program = os.memfd_create("prime-node-sandbox-program")
+    stderr = os.memfd_create("prime-node-sandbox-stderr")
+    try:
+        os.write(program, source.encode("utf-8", errors="surrogateescape"))
+        os.lseek(program, 0, os.SEEK_SET)
+        config = {
+            "status_fd": status_w,
+            "interpreter": str(interpreter),
+            "program": PROGRAM_PATH,
+            "binds": binds,
+            "links": links,
+            "masks": hidden_inside(binds),
+            "files": list(_FILES),
+            "memory_bytes": memory_mb << 20,
+            "cpu_seconds": max(1, int(timeout_s + 0.999)),
+            "nproc": _process_budget(max_processes),
+            "file_bytes": 16 << 20,
+            "timeout_s": float(timeout_s),
+            "tmp_bytes": scratch_mb << 20,
+            "shm_bytes": scratch_mb << 20,
+        }
         started = time.perf_counter()
-        timed_out = False
-        with open(stderr_path, "wb") as stderr:
-            process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-I",
-                    "-S",
-                    "-c",
-                    _LAUNCHER,
-                    str(uid),
-                    str(memory_mb << 20),
-                    str(cpu_seconds),
-                    str(max_processes),
-                    str(sandbox_interpreter()),
-                    str(program),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                cwd=folder,
-                env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"},
-                start_new_session=True,
-                close_fds=True,
-            )
-            try:
-                returncode: int | None = process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                returncode = None
-            finally:
-                with contextlib.suppress(OSError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                if as_root:
-                    _kill_uid(uid)
-                process.wait()
+        process = subprocess.Popen(
+            [str(interpreter), "-I", "-S", "-B", str(LAUNCHER), marshal.dumps(config).hex()],
+            stdin=program,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            pass_fds=(status_w,),
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin"},
+            start_new_session=True,
+            close_fds=True,
+        )
+        os.close(status_w)
+        status_w = -1
+        try:  # the launcher enforces timeout_s itself and returns once the sandbox is empty
+            returncode: int | None = _wait(process, timeout_s + _LAUNCHER_GRACE_S)
+        except subprocess.TimeoutExpired:  # a launcher stuck (a loaded machine): kill what we can
+            returncode = None
+        finally:
+            with contextlib.suppress(OSError):
+                os.killpg(process.pid, signal.SIGKILL)  # launcher, keeper and init: the PID namespace dies
+            process.wait()
         wall = time.perf_counter() - started
-        with open(stderr_path, "rb") as handle:
-            handle.seek(max(0, stderr_path.stat().st_size - 2000))
-            tail = handle.read().decode("utf-8", errors="replace")
+        lines = _read_written(status_r).decode("utf-8", errors="replace").splitlines()
+        timed_out = returncode is None or TIMED_OUT in lines
+        returncode = None if timed_out else returncode
+        status = [line for line in lines if line.strip() and line != TIMED_OUT]
+        tail = _tail(stderr)
+    finally:
+        for fd in (status_r, status_w, program, stderr):
+            if fd >= 0:
+                os.close(fd)
+    if status:
+        raise unavailable(status[-1])
     return SandboxResult(returncode == 0 and not timed_out, returncode, timed_out, wall, tail)
+
+
+def check_sandbox() -> None:
+    """Refuse to run code tasks where programs cannot be confined: call once when a code task is set up."""
+    result = run_python(_PROBE, timeout_s=10, memory_mb=256)
+    if not result.passed:
+        raise unavailable(f"the probe program failed: {result.stderr_tail.strip()[-300:]}")
