@@ -19,7 +19,7 @@ from prime_node.errors import NodeError
 from prime_node.paths import KEYSTORE_ENV, default_data_dir
 
 if TYPE_CHECKING:
-    from crypto.keys import WalletKey
+    from crypto.keys import Address, WalletKey
     from prime_node.node_config import NodeConfig
 
 BootstrapOption = Annotated[
@@ -46,6 +46,23 @@ ApiPortOption = Annotated[
 ]
 RunOption = Annotated[
     str, typer.Option("--run", help="Run id to join (scopes gossip topics and the DHT key).")
+]
+JoinRunOption = Annotated[
+    str,
+    typer.Option(
+        "--run",
+        help="The run to work for, as its run address RUN@0xTRAINER[,BOOTSTRAP...] (what the trainer "
+        "prints and its operator publishes): pins the trainer and adds the bootstrap peers. A bare run id "
+        "needs --trainer, or the node takes no role.",
+    ),
+]
+TrainerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--trainer",
+        help="Pin the run's trainer address: believe only run announcements it signed (the same pin as "
+        "--run RUN@ADDRESS). Without a pin the node believes no trainer and takes no role.",
+    ),
 ]
 HeartbeatOption = Annotated[float, typer.Option("--heartbeat-interval", help="Seconds between heartbeats.")]
 BootstrapTimeoutOption = Annotated[
@@ -202,6 +219,46 @@ def network_config(
     for address in config.bootstrap:
         parse_multiaddr(address, need_peer_id=True)
     return config
+
+
+@dataclass(frozen=True)
+class JoinTarget:
+    """What ``join --run`` and ``--trainer`` name: the run id, the pinned trainer (None: no pin) and
+    bootstrap peers from the run address."""
+
+    run_id: str
+    trainer: Address | None
+    bootstrap: tuple[str, ...] = ()
+
+
+def join_target(run: str, trainer: str | None) -> JoinTarget:
+    """Read ``--run`` (a run id or a run address) and ``--trainer``; NodeError (one line) if they are
+    malformed or name two different trainers."""
+    from crypto.errors import CryptoError
+    from crypto.keys import Address
+    from protocol.errors import ProtocolError
+    from protocol.run_announcement import RunAddress
+
+    pinned = None
+    if trainer is not None:
+        try:
+            pinned = Address.parse(trainer)
+        except CryptoError as exc:
+            raise NodeError(
+                f"--trainer {trainer[:48]!r} is not an Ethereum address: {exc}", reason="bad_config"
+            ) from None
+    if "@" not in run:
+        return JoinTarget(run, pinned)
+    try:
+        address = RunAddress.parse(run)
+    except ProtocolError as exc:
+        raise NodeError(f"--run: {exc}", reason="bad_config") from None
+    if pinned is not None and pinned != address.trainer:
+        raise NodeError(
+            f"--run names trainer {address.trainer} but --trainer is {pinned}: pass one of them",
+            reason="bad_config",
+        )
+    return JoinTarget(address.run_id, address.trainer, address.bootstrap)
 
 
 def node_key(

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from prime_node.cli.network_options import DEFAULT_FLAGS, DataDirOption, NodeFlags, RunOption, with_node_flags
+from prime_node.cli.network_options import (
+    DEFAULT_FLAGS,
+    DataDirOption,
+    JoinRunOption,
+    NodeFlags,
+    TrainerOption,
+    with_node_flags,
+)
 from prime_node.cli.options import JsonOption
 from prime_node.errors import NodeError
 
@@ -21,7 +29,7 @@ def register(app: typer.Typer) -> None:
 def join(
     node: NodeFlags = DEFAULT_FLAGS,
     role: Annotated[str, typer.Option("--role", help="auto, inferer, validator or seeder.")] = "auto",
-    run: RunOption = "demo",
+    run: JoinRunOption = "demo",
     dead_after: Annotated[
         float,
         typer.Option("--dead-after", help="Seconds of silence before a peer is dead (0 = 6 heartbeats)."),
@@ -29,29 +37,26 @@ def join(
     gpu: Annotated[
         str, typer.Option("--gpu", help="GPUs this node may use: auto, none, or indices such as 0,1.")
     ] = "auto",
-    trainer: Annotated[
-        str | None,
-        typer.Option(
-            "--trainer",
-            help="Pin the run's trainer address: believe only run announcements it signed. Without it "
-            "the first valid announcement is trusted (printed on stderr).",
-        ),
-    ] = None,
+    trainer: TrainerOption = None,
     adversary: Annotated[
         str | None, typer.Option("--adversary", hidden=True, help="Demo/tests: cheat as this attack kind.")
     ] = None,
 ) -> None:
-    """Start a node: join the swarm via a bootstrap peer, learn the run from its signed announcement, take
-    a role (inferer, validator or seeder: from hardware and demand, or pinned with --role), fetch and
-    re-serve checkpoints, and serve the status API."""
-    from prime_node.cli.network_options import dataplane_host_for
+    """Start a node: join the swarm via a bootstrap peer, learn the run from its pinned trainer's signed
+    announcement (--run RUN@0xTRAINER,BOOTSTRAP or --trainer), take a role (inferer, validator or seeder:
+    from hardware and demand, or pinned with --role), fetch and re-serve checkpoints, and serve the status
+    API. Without a pinned trainer it takes no role and lists the trainers that announce the run."""
+    from prime_node.cli.network_options import dataplane_host_for, join_target
 
+    target = join_target(run, trainer)
+    if target.bootstrap:
+        node = dataclasses.replace(node, bootstrap=[*(node.bootstrap or ()), *target.bootstrap])
     directory = node.directory()
-    config = node.config(run, role=role, dead_after=dead_after)
+    config = node.config(target.run_id, role=role, dead_after=dead_after)
     from prime_node.hardware import parse_gpu_selection
 
     gpus = parse_gpu_selection(gpu)
-    pinned = _parse_trainer(trainer)
+    pinned = target.trainer
     if adversary is not None:
         from prime_node.verification.cheating import ATTACKS
 
@@ -72,14 +77,6 @@ def join(
         keep=3,
     )
 
-    def trusted(announcement: Any, on_first_use: bool) -> None:
-        how = (
-            f"trusted on first use; pin it with --trainer {announcement.trainer}"
-            if on_first_use
-            else "pinned"
-        )
-        typer.echo(f"run {announcement.run_id}: trainer {announcement.trainer} ({how})", err=True)
-
     runner = RoleRunner(
         key=key,
         run_id=config.run_id,
@@ -87,23 +84,9 @@ def join(
         data_dir=directory,
         gpus=gpus,
         settings=RoleSettings(pinned=role, trainer=pinned, adversary=adversary),
-        on_trusted=trusted,
+        notify=lambda line: typer.echo(line, err=True),
     )
     run_node_until_signal(config, key, echo=typer.echo, services=[swarm, runner])
-
-
-def _parse_trainer(text: str | None) -> Any:
-    from crypto.errors import CryptoError
-    from crypto.keys import Address
-
-    if text is None:
-        return None
-    try:
-        return Address.parse(text)
-    except (CryptoError, ValueError) as exc:
-        raise NodeError(
-            f"--trainer {text[:48]!r} is not an Ethereum address: {exc}", reason="bad_config"
-        ) from None
 
 
 def status(

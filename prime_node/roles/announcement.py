@@ -5,16 +5,25 @@ topic ``run`` every ``period`` seconds (gossip is lossy and late joiners missed 
 
 Joiner side (``RunFollower(run_id, pinned=...)``): listens on the topic and also asks each connected peer
 directly (``/prime-node/run/1``: the peer answers with the envelope frame it believes), so a joiner
-needs no more than a bootstrap address and does not wait a whole period. ``TrainerTrust`` decides whom
-to believe (pin, or trust on first use). Both sides serve the envelope they hold on the direct protocol.
+needs a bootstrap address and the trainer's address (one ``RUN@0xTRAINER,BOOTSTRAP`` string) and does
+not wait a whole period. ``TrainerTrust`` believes only the pinned trainer; without a pin the follower
+believes nobody and tells the operator which trainers announce the run and what to pass (``notify``,
+the log, and ``status_rows`` for ``prime-node status``), as it does for every conflicting announcement
+a pinned follower refuses. Both sides serve the envelope they believe on the direct protocol.
 
 Local paths (model_dir, output_dir) never travel: the trainer leaves them out and each worker builds
-its ``RunConfig`` with its own (``worker_run_config``).
+its ``RunConfig`` with its own (``worker_run_config``). A task file travels as its name and SHA-256
+only: the worker reads its own copy from DATA_DIR/tasks/ if the digest matches, so an announcement never
+names a file on the worker's disk. A task file is data to a worker: an inferer reads prompts from it;
+only a validator runs a code task's tests, in the sandbox, on the pinned trainer's file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +40,7 @@ from protocol.run_announcement import (
     MAX_CONFIG_BYTES,
     RUN_TOPIC,
     RunAnnouncement,
+    Sighting,
     TrainerTrust,
     canonical_json,
     config_of,
@@ -48,12 +58,20 @@ LOCAL_FIELDS = ("model_dir", "output_dir")
 MAX_FRAME = MAX_CONFIG_BYTES + 4096
 ANNOUNCE_PERIOD = 5.0
 ASK_INTERVAL = 1.0
+TASK_DIGEST = "task_file_sha256"
+"""The announced config's extra field: the SHA-256 of the run's task file (not a RunConfig field)."""
+_TASK_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def announced_config(config: RunConfig, trainer: Address) -> bytes:
-    """The canonical JSON the trainer signs: every field but local paths, with its own address."""
+    """The canonical JSON the trainer signs: every field but local paths, with its own address. A task
+    file is announced as its bare name and its SHA-256 (``TASK_DIGEST``), never as a path."""
     data = config.model_dump(mode="json", exclude=set(LOCAL_FIELDS))
     data["trainer_address"] = str(trainer)
+    if config.task.path is not None:
+        data["task"]["path"] = config.task.path.name
+        data[TASK_DIGEST] = file_sha256(config.task.path)
     encoded = canonical_json(data)
     if len(encoded) > MAX_CONFIG_BYTES:
         raise NodeError(
@@ -64,9 +82,19 @@ def announced_config(config: RunConfig, trainer: Address) -> bytes:
 
 
 def worker_run_config(
-    announcement: RunAnnouncement, *, model_dir: Path | None = None, output_dir: Path | None = None
+    announcement: RunAnnouncement,
+    *,
+    model_dir: Path | None = None,
+    output_dir: Path | None = None,
+    task_dir: Path | None = None,
 ) -> RunConfig:
-    """A worker's RunConfig from a believed announcement, with its own local paths."""
+    """A worker's RunConfig from a believed announcement, with its own local paths.
+
+    A run with a task file names it and its digest; the worker uses ``task_dir/NAME`` only if its
+    SHA-256 is the announced one (the file is put there by the operator: it never comes from the swarm,
+    and a path in the announcement never makes this node open a file of its choosing). NodeError
+    ``task_file`` otherwise. Blocking (hashes the file): call it from a thread.
+    """
     try:
         data: dict[str, Any] = config_of(announcement)
     except RemoteProtocolError as exc:
@@ -78,7 +106,53 @@ def worker_run_config(
     if output_dir is not None:
         data["output_dir"] = str(output_dir)
     data["trainer_address"] = str(announcement.trainer)
+    digest = data.pop(TASK_DIGEST, None)
+    task = data.get("task")
+    if isinstance(task, dict) and task.get("path") is not None:
+        task["path"] = str(_local_task_file(announcement.run_id, task["path"], digest, task_dir))
     return validate_run_config(data, source=f"run {announcement.run_id}'s announced config")
+
+
+def file_sha256(path: Path) -> str:
+    """The hex SHA-256 of a file (what a run announces for its task file); NodeError if unreadable."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    except OSError as exc:
+        raise NodeError(
+            f"cannot read task file {str(path)[:200]}: {exc.strerror}", reason="task_file"
+        ) from None
+    return digest.hexdigest()
+
+
+def _local_task_file(run_id: str, name: Any, digest: Any, task_dir: Path | None) -> Path:
+    if not isinstance(name, str) or not _TASK_NAME.fullmatch(name) or name in (".", ".."):
+        raise NodeError(
+            f"run {run_id} announces a task file name that is not a plain file name", reason="task_file"
+        )
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        raise NodeError(f"run {run_id} announces task file {name} without its SHA-256", reason="task_file")
+    if task_dir is None:
+        raise NodeError(
+            f"run {run_id} needs its task file {name}, and this node has no task directory",
+            reason="task_file",
+        )
+    local = task_dir / name
+    if not local.is_file():
+        raise NodeError(
+            f"run {run_id} trains on the task file {name} (sha256 {digest}): get it from the run's operator "
+            f"and put it at {local}",
+            reason="task_file",
+        )
+    found = file_sha256(local)
+    if found != digest:
+        raise NodeError(
+            f"{local} has sha256 {found}, but run {run_id} announces {digest}: not the run's task file",
+            reason="task_file",
+        )
+    return local
 
 
 class _Served:
@@ -131,10 +205,11 @@ class RunAnnouncer(_Served):
 
 
 class RunFollower(_Served):
-    """A joiner's side: believe one trainer's announcement (pinned or first), then re-serve it.
+    """A joiner's side: believe the pinned trainer's announcement, then re-serve it; without a pin,
+    believe nobody and report who announces the run.
 
-    ``wait()`` returns the believed announcement; ``on_trusted`` is called once, when the first one is
-    accepted (the CLI prints the trainer address there).
+    ``wait()`` returns the believed announcement (never, without a pin). ``notify`` gets the lines an
+    operator must read (the trainer followed, a refusal that names what to pass, a conflicting trainer).
     """
 
     def __init__(
@@ -142,14 +217,15 @@ class RunFollower(_Served):
         run_id: str,
         *,
         pinned: Address | None = None,
-        on_trusted: Any = None,
+        notify: Callable[[str], None] | None = None,
         ask_interval: float = ASK_INTERVAL,
     ) -> None:
         self.trust = TrainerTrust(run_id, pinned=pinned)
-        self.on_trusted = on_trusted
+        self.notify = notify
         self.ask_interval = ask_interval
         self.refused: dict[str, int] = {}
         self._known = trio.Event()
+        self._flood_reported = False
 
     @property
     def announcement(self) -> RunAnnouncement | None:
@@ -160,6 +236,31 @@ class RunFollower(_Served):
         assert self.trust.current is not None
         return self.trust.current
 
+    def refusal(self) -> str:
+        """Why an unpinned node takes no role, what to pass instead, and the trainers seen so far."""
+        run = self.trust.run_id
+        seen = [str(s.address) for s in self.trust.sightings.values()]
+        heard = f"trainers announcing it: {', '.join(seen)}" if seen else "no trainer has announced it yet"
+        return (
+            f"run {run}: no trainer pinned, so this node takes no role ({heard}). Anyone can announce any "
+            f"run: ask the run's operator for its run address and restart with --run {run}@0xTRAINER "
+            "(or --trainer 0xTRAINER)"
+        )
+
+    def status_rows(self, now_ms: int) -> list[dict[str, Any]]:
+        """The announcements seen, newest first: who, which run, believed or why not (``status``)."""
+        rows = []
+        for seen in reversed(self.trust.sightings.values()):
+            rows.append(
+                {
+                    "run": str(seen.address),
+                    "followed": seen.run_id == self.trust.run_id and seen.trainer == self.trust.pinned,
+                    "announcements": seen.announcements,
+                    "last_seen_s": round(max(0, now_ms - seen.last_seen_ms) / 1000, 1),
+                }
+            )
+        return rows
+
     def offer(self, frame: bytes, now_ms: int, source: str) -> RunAnnouncement | None:
         """Feed one announcement envelope frame from anywhere; the believed announcement or None."""
         try:
@@ -167,18 +268,47 @@ class RunFollower(_Served):
             announcement = self.trust.offer(envelope, now_ms=now_ms)
         except ProtocolError as exc:
             self.refused[exc.reason] = self.refused.get(exc.reason, 0) + 1
-            log.info("refused a run announcement from %s: %s", source, exc)
+            seen = self.trust.latest
+            if seen is not None and seen.announcements == 1:
+                self._report(seen, source)
+            else:
+                log.debug("refused a run announcement from %s: %s", source, exc)
             return None
         if not self._known.is_set():
             self.frame = frame
             self._known.set()
-            how = "pinned" if self.trust.pinned is not None else "trusted on first use"
-            log.info("run %s: trainer %s (%s)", announcement.run_id, announcement.trainer, how)
-            if self.on_trusted is not None:
-                self.on_trusted(announcement, self.trust.trusted_on_first_use)
+            self._say(f"run {announcement.run_id}: following trainer {announcement.trainer} (pinned)")
         elif envelope is self.trust.envelope:
             self.frame = frame
         return announcement
+
+    def _report(self, seen: Sighting, source: str) -> None:
+        """Tell the operator, once per (run, trainer), about an announcement this node does not believe."""
+        if self.trust.forgotten:
+            if not self._flood_reported:
+                self._flood_reported = True
+                self._say(
+                    f"run {self.trust.run_id}: more than {self.trust.max_sightings} keys announce runs "
+                    "here; someone is flooding announcements (only the newest are listed in status)"
+                )
+            return
+        run, pinned = self.trust.run_id, self.trust.pinned
+        if seen.run_id != run:
+            self._say(f"peer {source} serves run {seen.address}, not run {run} (not followed)")
+        elif pinned is None:
+            self._say(self.refusal())
+        else:
+            self._say(
+                f"run {run}: {seen.trainer} also announces this run (via {source}); refused: "
+                f"the pinned trainer is {pinned}"
+            )
+
+    def _say(self, line: str) -> None:
+        if self.notify is None:
+            log.warning("%s", line)
+        else:  # the operator reads it from notify (join: stderr); the log keeps a copy
+            log.info("%s", line)
+            self.notify(line)
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         context.host.set_stream_handler(RUN_PROTOCOL, self.serve)
@@ -188,17 +318,23 @@ class RunFollower(_Served):
 
         await context.gossip.subscribe(RUN_TOPIC, on_gossip)
         task_status.started()
+        if self.trust.pinned is None:
+            self._say(self.refusal())
         asked: set[str] = set()
         async with trio.open_nursery() as asking:
+            # Pinned: ask every peer until the trainer's announcement is believed (again and again: a
+            # peer may learn of the run later). Unpinned: ask each peer once while it stays connected,
+            # only to list who announces what; gossip brings the rest.
             while not self._known.is_set():
-                for peer in context.host.connected_peers():
-                    if peer not in asked:
-                        asked.add(peer)
-                        asking.start_soon(self._ask, context, peer)
+                connected = set(context.host.connected_peers())
+                for peer in connected - asked:
+                    asked.add(peer)
+                    asking.start_soon(self._ask, context, peer)
+                asked &= connected
                 with trio.move_on_after(self.ask_interval):
                     await self._known.wait()
-                if not self._known.is_set() and len(asked) >= len(context.host.connected_peers()):
-                    asked.clear()  # ask again: a peer may have learnt of the run since
+                if self.trust.pinned is not None and not self._known.is_set() and asked >= connected:
+                    asked.clear()
             asking.cancel_scope.cancel()  # believed: the answers still on their way are not needed
 
     async def _ask(self, context: NodeContext, peer: str) -> None:

@@ -1,7 +1,8 @@
 """``join``'s role runner: learn the run, pick a role from hardware and demand, run it, switch when needed.
 
-Order of events: the run announcement is believed (``RunFollower``: pinned trainer or trust on first
-use), which gives the run config and tells the weight swarm whose manifests to follow; the first
+Order of events: the pinned trainer's run announcement is believed (``RunFollower``), which gives the
+run config and tells the weight swarm whose manifests to follow (without a pin nothing is believed and
+the node takes no role: it only lists who announces the run, issue 13); the first
 checkpoint arrives (its size gives the model's parameter count); from then on every ``interval``
 seconds the pure policy ``protocol.roles.choose_role`` (with its hysteresis) looks at the hardware
 profile, the run's requirements and the swarm's demand, and the runner starts the chosen role's
@@ -20,8 +21,10 @@ gossip subscriptions end with the role, beside the runner's own (gossip fans out
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,7 +121,8 @@ class RoleSettings:
     pinned: str | None = None
     """``--role``: a fixed role; None or "auto" lets the policy choose."""
     trainer: Address | None = None
-    """``--trainer``: the only trainer whose run announcements are believed (None: trust on first use)."""
+    """``--trainer`` / ``--run RUN@0xTRAINER``: the only trainer whose run announcements are believed
+    (None: none is, and the node takes no role)."""
     adversary: str | None = None
     """``--adversary``: publish this cheat (prime_node/verification/cheating.py) instead of honest work."""
     interval: float = 5.0
@@ -139,7 +143,7 @@ class RoleRunner:
         data_dir: Path,
         gpus: GpuSelection,
         settings: RoleSettings | None = None,
-        on_trusted: Any = None,
+        notify: Callable[[str], None] | None = None,
     ) -> None:
         settings = settings or RoleSettings()
         self.key = key
@@ -150,7 +154,7 @@ class RoleRunner:
         self.adversary = settings.adversary
         self.interval = settings.interval
         self.min_dwell_s = settings.min_dwell_s
-        self.follower = RunFollower(run_id, pinned=settings.trainer, on_trusted=on_trusted)
+        self.follower = RunFollower(run_id, pinned=settings.trainer, notify=notify)
         self.meter = BacklogMeter()
         self.config: RunConfig | None = None
         self.profile: HardwareProfile | None = None
@@ -161,6 +165,7 @@ class RoleRunner:
         self._scope: trio.CancelScope | None = None
         self._stopped = trio.Event()
         self._advertised: RecordPart | None = None
+        self._wall_ms: Callable[[], int] = lambda: 0  # the node's wall clock, once running
 
     @property
     def role(self) -> str:
@@ -168,12 +173,14 @@ class RoleRunner:
 
     def status(self) -> dict[str, Any]:
         now = trio.current_time()
+        pinned = self.follower.trust.pinned
         return {
-            "role": self.role,
-            "reason": self.reason,
+            "role": self.role if pinned is not None else "none",
+            "reason": self.reason if pinned is not None else self.follower.refusal(),
             "since_s": round(now - self.state.since, 1) if self.state is not None else 0.0,
             "profile": self.profile.describe() if self.profile is not None else {},
-            "trainer": str(self.follower.trust.trainer) if self.follower.trust.trainer else None,
+            "trainer": str(pinned) if pinned is not None else None,
+            "announcements": self.follower.status_rows(self._wall_ms()),
             "switches": self.switches,
         }
 
@@ -184,17 +191,26 @@ class RoleRunner:
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from prime_node.hardware import probe, to_summary
 
+        self._wall_ms = context.clock.wall_ms
         context.add_status_section("role", self.status)
         context.add_record_source(self.record_part)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.follower.run, context)
             task_status.started()
             preloaded = trio.Event()  # transformers' lazy imports race across threads (E2: demo crashes)
-            nursery.start_soon(_preload_in_thread, preloaded)
+            if self.follower.trust.pinned is not None:  # unpinned: no role ever, no torch needed
+                nursery.start_soon(_preload_in_thread, preloaded)
             self.profile = await trio.to_thread.run_sync(probe, self.gpus, self.data_dir)
             self._advertised = RecordPart(hardware=to_summary(self.profile))
             announcement = await self.follower.wait()
-            self.config = config = worker_run_config(announcement, output_dir=self.data_dir / "run")
+            self.config = config = await trio.to_thread.run_sync(
+                functools.partial(
+                    worker_run_config,
+                    announcement,
+                    output_dir=self.data_dir / "run",
+                    task_dir=self.data_dir / "tasks",  # a task file is checked against its digest here
+                )
+            )
             self.swarm.trainer = announcement.trainer
             self.swarm.keep = max(self.swarm.keep, config.async_level + 1)
             await self._tap(context)

@@ -3,7 +3,8 @@
 Services, in start order: the weight swarm (origin of every policy), the run announcer (the signed
 run config on topic ``run``), admission (batches with an accepting quorum of trusted verdicts) and the
 trainer itself, which reports ready once the starting policy is shared. The process prints one JSON
-line with its address and multiaddrs (what inferers bootstrap from), then one per step; it runs until
+line with its address and multiaddrs (what inferers bootstrap from), one with the run address joiners
+pass as ``join --run`` (``{"join": "RUN@0xTRAINER,MULTIADDR"}``), then one per step; it runs until
 SIGINT/SIGTERM, or until ``max_steps`` with ``exit_when_done``.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.node_config import NodeConfig
+from protocol.run_announcement import MAX_BOOTSTRAP, RunAddress
 
 
 @dataclass
@@ -86,6 +88,9 @@ def run_trainer_node(
     from prime_node.node.runner import run_node_until_signal
 
     async def report_evaluations(node: Any) -> None:
+        # What joiners paste as `join --run`: the run id pinned to this key, with bootstrap addresses.
+        bootstrap = tuple(node.advertised_multiaddrs()[:MAX_BOOTSTRAP])
+        echo(json.dumps({"join": str(RunAddress(node_config.run_id, key.address, bootstrap))}))
         await parts.trainer.done.wait()
         for step, accuracy in parts.trainer.held_out:
             echo(json.dumps({"eval_step": step, "heldout_greedy_accuracy": accuracy}))

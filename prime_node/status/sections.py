@@ -31,6 +31,7 @@ SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 48
 MAX_BINS = 64
 MAX_VERSIONS = 8
+MAX_ANNOUNCERS = 8
 _AVAILABILITY = (("·", "red"), ("░", "yellow"), ("▒", "cyan"), ("▓", "green"), ("█", "bold green"))
 _CHECKPOINT_STYLE = {"complete": "green", "seeding": "green", "fetching": "yellow"}
 KNOWN = ("role", "checkpoints", "rollouts", "validation", "training")
@@ -133,7 +134,20 @@ def role_view(section: Any) -> RenderableType:
     if (error := _error(data)) is not None:
         grid.add_row("error", error)
     grid.add_row("role", Text(as_text(data.get("role"), 16) or "?", style="bold cyan"))
-    grid.add_row("why", Text(as_text(data.get("reason"), 240) or "-"))
+    grid.add_row("why", Text(as_text(data.get("reason"), 480) or "-"))
+    if "trainer" in data:
+        grid.add_row("trainer", Text(as_text(data.get("trainer"), 42) or "none pinned"))
+    for row in map(as_dict, as_list(data.get("announcements"))[:MAX_ANNOUNCERS]):
+        if not (run := as_text(row.get("run"), 120)):
+            continue
+        believed = row.get("followed") is True
+        line = Text(run, style="green" if believed else "yellow")
+        line.append(" followed" if believed else " not followed")
+        if (count := as_int(row.get("announcements"))) is not None:
+            line.append(f", {count} announcements")
+        if (age := as_num(row.get("last_seen_s"))) is not None:
+            line.append(f", last {age:.0f} s ago")
+        grid.add_row("announced by", line)
     if (since := as_num(data.get("since_s"))) is not None:
         grid.add_row("for", f"{since:.0f} s")
     if (switches := as_int(data.get("switches"))) is not None:

@@ -1,8 +1,8 @@
 """The whole RL loop over real libp2p hosts on 127.0.0.1, in one trio process, with a real tiny model.
 
 A trainer node (weight swarm origin, run announcer, admission, GRPO trainer), a validator and an honest
-inferer that learn the run from the signed announcement (one pinned, one trusting on first use), and
-a cheating inferer. Checkpoints flow through the weight swarm, batches are validated, and the trainer
+inferer that learn the run from the signed announcement of their pinned trainer, and a cheating
+inferer. Checkpoints flow through the weight swarm, batches are validated, and the trainer
 advances on accepted batches only: nothing the cheater produced is ever trained on.
 """
 
@@ -95,7 +95,7 @@ async def test_checkpoints_flow_batches_are_validated_and_only_accepted_ones_are
             for index, (key, role, pin, adversary) in enumerate(
                 [
                     (validator_key, "validator", trainer_key.address, None),
-                    (honest_key, "inferer", None, None),  # trusts the first announcement
+                    (honest_key, "inferer", trainer_key.address, None),
                     (cheater_key, "inferer", trainer_key.address, "tampered_token"),
                 ],
                 start=1,
@@ -117,9 +117,9 @@ async def test_checkpoints_flow_batches_are_validated_and_only_accepted_ones_are
             validator_node, validator_swarm, _ = joiners["validator"]
             honest_node, honest_swarm, honest_runner = joiners["inferer"]
             cheater_node, _, cheater_runner = joiners["cheater"]
-            # the run was learnt from the trainer's announcement, pinned or on first use
+            # the run was learnt from the pinned trainer's announcement
             assert honest_runner.follower.trust.trainer == trainer_key.address
-            assert honest_runner.follower.trust.trusted_on_first_use
+            assert honest_runner.follower.announcement is not None
             assert honest_runner.config is not None and honest_runner.config.max_new_tokens == 6
             # checkpoints flowed through the weight swarm to the workers
             assert trainer.checkpoints_shared >= 3

@@ -1,8 +1,10 @@
-"""The run announcement (pin, trust on first use, wrong signer, oversize) and step gathering/staleness."""
+"""The run announcement (pin, no trust without one, wrong signer, oversize) and step gathering/staleness."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -35,15 +37,18 @@ def _announce(key: WalletKey, run_id: str = "loop", **fields: object) -> Envelop
     return seal_announcement(key, announcement, now_ms=NOW)
 
 
-def test_tofu_trusts_the_first_valid_trainer_then_refuses_others() -> None:
+def test_without_a_pin_nobody_is_believed_but_everyone_is_listed() -> None:
     trainer, impostor = WalletKey.generate(), WalletKey.generate()
     trust = TrainerTrust("loop")
-    first = trust.offer(_announce(trainer), now_ms=NOW)
-    assert first.trainer == trainer.address and trust.trusted_on_first_use
-    with pytest.raises(RemoteProtocolError) as caught:
-        trust.offer(_announce(impostor), now_ms=NOW)
-    assert caught.value.reason == "untrusted_trainer"
-    assert trust.current == first
+    for key in (impostor, trainer, impostor):
+        with pytest.raises(RemoteProtocolError) as caught:
+            trust.offer(_announce(key), now_ms=NOW)
+        assert caught.value.reason == "unpinned_trainer"
+    assert trust.current is None and trust.trainer is None
+    assert [(s.trainer, s.announcements) for s in trust.sightings.values()] == [
+        (trainer.address, 1),
+        (impostor.address, 2),
+    ]
 
 
 def test_a_pinned_trainer_ignores_an_earlier_impostor() -> None:
@@ -52,8 +57,9 @@ def test_a_pinned_trainer_ignores_an_earlier_impostor() -> None:
     with pytest.raises(RemoteProtocolError) as caught:
         trust.offer(_announce(impostor), now_ms=NOW)
     assert caught.value.reason == "untrusted_trainer" and trust.current is None
+    assert trust.latest is not None and trust.latest.trainer == impostor.address
     assert trust.offer(_announce(trainer), now_ms=NOW).trainer == trainer.address
-    assert not trust.trusted_on_first_use
+    assert set(trust.sightings) == {("loop", trainer.address), ("loop", impostor.address)}
 
 
 def test_an_announcement_signed_by_another_key_than_it_names_is_refused() -> None:
@@ -80,10 +86,11 @@ def test_oversize_and_malformed_configs_are_refused() -> None:
     envelope = seal(key, announcement_domain("loop"), oversize, now_ms=NOW)
     with pytest.raises(RemoteProtocolError):
         TrainerTrust("loop").offer(envelope, now_ms=NOW)
-    with pytest.raises(NodeError):
+    with pytest.raises(NodeError) as unreadable:  # the trainer announces its task file's digest
         task = {"kind": "math", "path": "x" * 20_000}
         long_path = RunConfig.model_validate({"run_id": "loop", "task": task})
         announced_config(long_path, key.address)
+    assert unreadable.value.reason == "task_file"
     for bad in (b"[1]", b'{"b":1, "a":2}', b"not json", canonical_json({"run_id": "other"})):
         envelope = seal_announcement(key, RunAnnouncement("loop", key.address, bad, NOW), now_ms=NOW)
         with pytest.raises(RemoteProtocolError) as caught:
@@ -98,7 +105,7 @@ def test_other_runs_future_dates_and_config_changes_are_refused() -> None:
     with pytest.raises(RemoteProtocolError) as caught:
         TrainerTrust("loop").offer(_announce(key), now_ms=NOW - 60_000)
     assert caught.value.reason == "from_the_future"
-    trust = TrainerTrust("loop")
+    trust = TrainerTrust("loop", pinned=key.address)
     trust.offer(_announce(key), now_ms=NOW)
     with pytest.raises(RemoteProtocolError) as caught:
         trust.offer(_announce(key, max_new_tokens=5), now_ms=NOW)
@@ -261,3 +268,54 @@ def test_the_backlog_is_batches_without_a_verdict_in_the_window() -> None:
     meter.rollout(bytes([9]) * 32, now=5.0)
     assert meter.backlog(5.0) == 4
     assert meter.backlog(12.5) == 2  # batches 0 and 2 (heard at 0 s and 2 s) left the window
+
+
+def _math_run(path: Path, key: WalletKey) -> RunAnnouncement:
+    config = RunConfig.model_validate({"run_id": "loop", "task": {"kind": "math", "path": str(path)}})
+    return RunAnnouncement("loop", key.address, announced_config(config, key.address), NOW)
+
+
+def test_a_task_file_is_announced_by_name_and_digest_and_read_only_from_the_workers_own_copy(
+    tmp_path: Path,
+) -> None:
+    key = WalletKey.generate()
+    tasks = tmp_path / "trainer" / "secret-dir" / "gsm.jsonl"
+    tasks.parent.mkdir(parents=True)
+    tasks.write_text('{"question": "1+1", "answer": "2"}\n')
+    announcement = _math_run(tasks, key)
+    assert b"secret-dir" not in announcement.config_json  # the trainer's layout does not travel
+    task_dir = tmp_path / "worker" / "tasks"
+    with pytest.raises(NodeError) as missing:
+        worker_run_config(announcement, task_dir=task_dir)
+    assert missing.value.reason == "task_file" and str(task_dir / "gsm.jsonl") in str(missing.value)
+    task_dir.mkdir(parents=True)
+    (task_dir / "gsm.jsonl").write_text('{"question": "1+1", "answer": "3"}\n')
+    with pytest.raises(NodeError) as other:
+        worker_run_config(announcement, task_dir=task_dir)
+    assert "not the run's task file" in str(other.value)
+    (task_dir / "gsm.jsonl").write_bytes(tasks.read_bytes())
+    worker = worker_run_config(announcement, task_dir=task_dir)
+    assert worker.task.path == task_dir / "gsm.jsonl" and worker.task.kind == "math"
+
+
+@pytest.mark.parametrize(
+    "task",
+    [{"path": "../../home/user/.ssh/id_rsa"}, {"path": "/etc/passwd"}, {"path": "gsm.jsonl", "digest": None}],
+)
+def test_an_announced_task_path_never_names_a_file_of_the_workers(
+    tmp_path: Path, task: dict[str, Any]
+) -> None:
+    """Even the pinned trainer's announcement cannot make a worker open a path of its choosing."""
+    key = WalletKey.generate()
+    (tmp_path / "gsm.jsonl").write_text("{}\n")
+    config = {
+        "run_id": "loop",
+        "task": {"kind": "math", "path": task["path"]},
+        "trainer_address": str(key.address),
+    }
+    if task.get("digest", "x") is not None:
+        config["task_file_sha256"] = "0" * 64
+    announcement = RunAnnouncement("loop", key.address, canonical_json(config), NOW)
+    with pytest.raises(NodeError) as caught:
+        worker_run_config(announcement, task_dir=tmp_path)
+    assert caught.value.reason == "task_file"

@@ -179,6 +179,28 @@ def test_garbage_values_render_as_missing() -> None:
     assert "prime-node" in text_of(render({}))
 
 
+def test_the_role_section_shows_the_pinned_trainer_and_every_trainer_announcing_the_run() -> None:
+    attacker = "0x" + "ef" * 20
+    role = {
+        "role": "none",
+        "reason": "run demo: no trainer pinned, so this node follows none and takes no role",
+        "trainer": None,
+        "announcements": [
+            {"run": f"demo@{attacker}", "followed": False, "announcements": 3, "last_seen_s": 1.2},
+            {"run": f"demo@{TRAINER}", "followed": True, "announcements": 9, "last_seen_s": 0.4},
+            "garbage",
+            {"run": 7, "followed": "yes"},
+        ],
+    }
+    text = text_of(render(document(sections={"role": role})))
+    assert "none pinned" in text
+    assert f"demo@{attacker} not followed, 3 announcements, last 1 s ago" in text
+    assert f"demo@{TRAINER} followed, 9 announcements, last 0 s ago" in text
+    assert text.count("announced by") == 2  # rows without a run are skipped, never an exception
+    pinned = text_of(render(document(sections={"role": {**role, "trainer": TRAINER}})))
+    assert re.search(rf"trainer +{TRAINER}", pinned)
+
+
 def test_availability_bar_and_sparkline() -> None:
     assert availability_bar([0, 1, 2, 3, 4, 10]).plain == "·░▒▓██"
     assert len(availability_bar(list(range(1000))).plain) == 64
