@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Annotated
 
-from crypto.keys import Address
-from protocol.codec import IntRange, MaxLen, Message, message
-from protocol.errors import InvariantError
+import msgpack
+
+from crypto.keys import ADDRESS_SIZE, Address
+from protocol.codec import WIRE_VERSION, IntRange, MaxLen, Message, message
+from protocol.errors import InvariantError, RemoteProtocolError
 
 FORMAT_VERSION = 1
 MAX_PROMPT_TOKENS = 8192
@@ -126,3 +129,92 @@ class RolloutBatch(Message):
 
     def group(self, index: int) -> tuple[RolloutSample, ...]:
         return self.samples[index * self.group_size : (index + 1) * self.group_size]
+
+    def only_groups(self, groups: Sequence[int]) -> RolloutBatch:
+        """The same batch holding only ``groups`` (indices into this batch, kept in the order given);
+        whole groups, so group-normalised advantages stay what they were."""
+        if not groups or any(not 0 <= g < self.groups for g in groups) or len(set(groups)) != len(groups):
+            raise InvariantError(
+                f"groups {list(groups)[:8]} are not distinct groups of this batch", reason="bad_groups"
+            )
+        return replace(self, samples=tuple(s for g in groups for s in self.group(g)))
+
+
+@dataclass(frozen=True)
+class BatchHeader:
+    """The scalar fields of a ``rollout.batch`` payload and its sample count, read without decoding a
+    sample (``peek_header``): what a validator needs to refuse a batch of the wrong shape or size before
+    it spends time proportional to the bytes."""
+
+    run_id: str
+    worker: Address
+    policy_step: int
+    batch_counter: int
+    temperature: float
+    group_size: int
+    sample_count: int
+
+    @property
+    def groups(self) -> int:
+        return self.sample_count // self.group_size
+
+    @classmethod
+    def of(cls, batch: RolloutBatch) -> BatchHeader:
+        return cls(
+            batch.run_id,
+            batch.worker,
+            batch.policy_step,
+            batch.batch_counter,
+            batch.temperature,
+            batch.group_size,
+            len(batch.samples),
+        )
+
+
+_HEADER_FIELDS = 8  # RolloutBatch's fields: seven scalars, then the samples array
+_HEADER_BYTES = 1024  # the frame's start, the seven scalars and the samples array's header fit in this
+
+
+def peek_header(payload: bytes) -> BatchHeader:
+    """The header of a ``rollout.batch`` frame in O(1) work: only the payload's first kilobyte is read,
+    the scalars are unpacked with limits that refuse any array or long string in their place, and the
+    samples array contributes only its length. It validates nothing the full ``decode`` would not (a
+    payload that peeks fine may still fail to decode); RemoteProtocolError ``malformed`` if the frame
+    does not even start like a rollout batch."""
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        max_buffer_size=_HEADER_BYTES,
+        max_str_len=256,
+        max_bin_len=256,
+        max_array_len=0,  # no array where a scalar belongs (array headers are read explicitly)
+        max_map_len=0,
+        max_ext_len=0,
+    )
+    try:
+        unpacker.feed(payload[:_HEADER_BYTES])
+        if unpacker.read_array_header() != 3 or unpacker.unpack() != WIRE_VERSION:
+            raise ValueError("not a [version, type, body] frame")
+        if unpacker.unpack() != RolloutBatch.TYPE or unpacker.read_array_header() != _HEADER_FIELDS:
+            raise ValueError("not a rollout batch")
+        version, run_id, worker, policy_step, batch_counter, temperature, group_size = (
+            unpacker.unpack() for _ in range(_HEADER_FIELDS - 1)
+        )
+        sample_count = unpacker.read_array_header()
+    except (ValueError, msgpack.OutOfData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise RemoteProtocolError(
+            f"not a rollout batch frame: {type(exc).__name__}", reason="malformed"
+        ) from exc
+    ints = (version, policy_step, batch_counter, group_size)
+    if (
+        version != FORMAT_VERSION
+        or type(run_id) is not str
+        or type(worker) is not bytes
+        or len(worker) != ADDRESS_SIZE
+        or any(type(v) is not int or not 0 <= v <= _U63 for v in ints)
+        or type(temperature) is not float
+        or not 1 <= group_size <= 1024
+    ):
+        raise RemoteProtocolError("rollout batch header has a field of the wrong type", reason="malformed")
+    return BatchHeader(
+        run_id, Address(worker), policy_step, batch_counter, temperature, group_size, sample_count
+    )

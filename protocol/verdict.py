@@ -2,9 +2,13 @@
 
 A verdict names the batch by the id of its envelope frame (BLAKE3 of the canonical bytes, so every
 node computes the same id), repeats the header fields a trainer needs to match it with the batch,
-and carries the rewards the validator recomputed itself: the trainer never trusts a worker's rewards
-and may compare its own with these. It travels inside an Envelope of kind ``verdict`` signed by the
-validator's wallet key. Sans-IO: the caller supplies ``now_ms`` and the verifier (replay cache).
+and says which groups the validator replayed against the model (``verified_groups``: all of them, or
+the secret sample of a validator that recomputes only some). An acceptance vouches for those groups
+only: the trainer trains on the union of the verified groups of the accepting verdicts, and nothing
+executes a completion outside it. The rewards are the validator's own, for the samples of the verified
+groups in order (the trainer never trusts a worker's rewards and may compare its own with these). It
+travels inside an Envelope of kind ``verdict`` signed by the validator's wallet key. Sans-IO: the caller
+supplies ``now_ms`` and the verifier (replay cache).
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ class Verdict(Message):
     reasons: Annotated[tuple[Annotated[str, MaxLen(64)], ...], MaxLen(MAX_REASONS)]
     rejected_samples: Annotated[tuple[Annotated[int, IntRange(0, MAX_SAMPLES - 1)], ...], MaxLen(MAX_SAMPLES)]
     rewards: Annotated[tuple[float, ...], MaxLen(MAX_SAMPLES)]
+    verified_groups: Annotated[
+        tuple[Annotated[int, IntRange(0, MAX_SAMPLES - 1)], ...], MaxLen(MAX_SAMPLES)
+    ] = ()
+    """Groups whose tokens this validator replayed, ascending; an accepted verdict that names none
+    admits nothing to training (fail closed)."""
 
     def __post_init__(self) -> None:
         if self.accepted == bool(self.reasons):
@@ -48,6 +57,10 @@ class Verdict(Message):
             raise InvariantError("an accepted verdict rejects no samples", reason="bad_verdict")
         if len(set(self.reasons)) != len(self.reasons):
             raise InvariantError("reasons must not repeat", reason="bad_verdict")
+        if any(b <= a for a, b in zip(self.verified_groups, self.verified_groups[1:], strict=False)):
+            raise InvariantError("verified groups must be strictly ascending", reason="bad_verdict")
+        if not self.accepted and self.verified_groups:
+            raise InvariantError("a rejected verdict vouches for no group", reason="bad_verdict")
         if not all(math.isfinite(r) for r in self.rewards):
             raise InvariantError("rewards must be finite", reason="bad_verdict")
 

@@ -3,7 +3,9 @@
 Admission (``prepare``) trusts nothing in a batch but its tokens: the policy step must be within
 ``async_level`` of the trainer's, every task id must exist, every prompt must be exactly the task's
 prompt, and the reward of every completion is recomputed with the task's checker. Groups whose rewards
-are all equal carry no advantage and are dropped before any forward pass.
+are all equal carry no advantage and are dropped before any forward pass. Scoring may execute a
+completion (code tasks), so a networked trainer hands ``prepare`` only the groups its validators
+replayed (``AcceptedBatch.batch``, prime_node/verification/admission_service.py).
 
 The optimizer step (``train_step``) computes the GRPO loss over micro-batches normalised by the
 batch's total completion tokens, all-reduces gradients across torch.distributed ranks (each rank takes a
@@ -90,11 +92,21 @@ class StepMetrics:
     """The rate this step's update used (``lr_schedule``)."""
 
 
-def batch_rewards(batch: RolloutBatch, task: TaskSource, tokenizer: Any, config: RunConfig) -> list[float]:
-    """Rewards recomputed from the completions alone (the checker plus the optional length bonus)."""
+def batch_rewards(
+    batch: RolloutBatch,
+    task: TaskSource,
+    tokenizer: Any,
+    config: RunConfig,
+    *,
+    groups: Sequence[int] | None = None,
+) -> list[float]:
+    """Rewards recomputed from the completions alone (the checker plus the optional length bonus), for
+    the samples of ``groups`` in order (default: every group). Scoring may execute a completion (a code
+    task runs it): callers pass only groups whose tokens were verified against the model."""
     eos = tokenizer.eos_token_id
+    chosen = range(batch.groups) if groups is None else groups
     rewards = []
-    for sample in batch.samples:
+    for sample in (s for g in chosen for s in batch.group(g)):
         tokens = sample.completion_tokens()
         text = completion_text(tokenizer, tokens, eos)
         score = task.score(sample.task_id, text)

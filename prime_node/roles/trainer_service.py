@@ -1,10 +1,12 @@
 """The networked GRPO trainer as a node service (DESIGN §1, §6; docs/rl.md *Networked run*).
 
 It shares the starting policy through the weight swarm, then loops: accepted batches (an accepted,
-signed verdict from the run's validators; ``AdmissionService``) are admitted again by ``prepare``
-(run, shape, prompts, rewards recomputed; stale ones refused) and queued in a ``StepGatherer``; a step
-takes the informative groups of one policy step (see ``prime_node.roles.gather``) and trains one
-GRPO step through the ``TrainingSession`` the --local run drives too (``prime_node.ml.session``:
+signed verdict from the run's validators; ``AdmissionService``, which hands out only the groups those
+validators replayed, so nothing here scores or trains on an unverified completion) are admitted again
+by ``prepare`` (run, shape, prompts, rewards recomputed; stale ones refused) and queued in a
+``StepGatherer``; a step takes the informative groups of one policy step (see
+``prime_node.roles.gather``) and trains one GRPO step through the ``TrainingSession`` the --local run
+drives too (``prime_node.ml.session``:
 resume, the fsynced rollout log before the step, checkpoints, evaluation), then writes the new policy
 as a Hugging Face directory and shares it. Held-out greedy accuracy is measured on the session's
 separate engine every ``eval_every`` steps without stopping the loop. Model work runs in worker
@@ -186,6 +188,7 @@ class TrainerService:
             "time_s": {k: round(v, 2) for k, v in asdict(self.timing).items()},
             "stages": self.stages.summary(),
             "admission_stages": admission.get("stages", {}),
+            "groups_unverified": admission.get("groups_unverified", 0),
         }
 
     # -- lifecycle -----------------------------------------------------------------------------------

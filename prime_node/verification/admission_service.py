@@ -7,6 +7,13 @@
 first; a batch any trusted validator rejected is never handed out. The frame is not re-verified here:
 its id is BLAKE3 of the exact bytes the validators checked (signature included).
 
+An acceptance vouches only for the groups its validator replayed (``Verdict.verified_groups``; a
+validator that recomputes a secret sample of groups names that sample). What is handed out is the
+batch cut down to the union of the verified groups of the accepting verdicts heard so far: validators
+with different secret keys cover different groups, and a group no trusted validator replayed is never
+scored (a code task would execute it) nor trained on. An accepting quorum that verified no group hands
+out nothing (``counts["nothing_verified"]``).
+
 It also does the reputation work on the trainer node (rejections charge the worker's peer), so the
 trainer needs no separate ``ReputationService``.
 """
@@ -43,15 +50,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AcceptedBatch:
-    """A batch the quorum accepted: what the trainer trains on."""
+    """A batch the quorum accepted, cut down to its verified groups: what the trainer trains on."""
 
     batch: RolloutBatch
+    """The verified groups only, in ascending order (``verified_groups``)."""
     worker: Address
     batch_id: bytes
+    """BLAKE3 of the frame the validators checked (the whole batch)."""
     validator_rewards: tuple[float, ...]
-    """Rewards the (first) accepting validator recomputed; the trainer recomputes its own anyway."""
+    """Per sample of ``batch``: the rewards of the first accepting validator that verified its group (the
+    trainer recomputes its own anyway)."""
     accepted_at: float = 0.0
     """trio time at which the quorum was reached (the trainer times its queue from here)."""
+    verified_groups: tuple[int, ...] = ()
+    """Indices, in the batch as signed, of the groups ``batch`` holds."""
+    drawn_groups: int = 0
+    """Groups the batch as signed holds (verified or not)."""
 
 
 class AdmissionService:
@@ -75,7 +89,9 @@ class AdmissionService:
         self.rejected_by_reason: Counter[str] = Counter()
         self.accepted_by_worker: Counter[str] = Counter()
         self._frames: OrderedDict[bytes, RolloutBatch] = OrderedDict()
-        self._first_accept: dict[bytes, Verdict] = {}
+        # Per batch, each verified group's rewards from the first accepting verdict that verified it
+        # (bounded like the verdict book: trusted validators only, the oldest batches forgotten first).
+        self._verified: OrderedDict[bytes, dict[int, tuple[float, ...]]] = OrderedDict()
         self._settled: OrderedDict[bytes, bool] = OrderedDict()  # handed out (True) or rejected (False)
         self._ready: deque[AcceptedBatch] = deque()
         self._wakeup = trio.Event()
@@ -105,6 +121,8 @@ class AdmissionService:
             "pending": len(self._frames),
             "ready": len(self._ready),
             "dropped": self.counts["dropped_frames"] + self.counts["dropped_ready"],
+            "groups_unverified": self.counts["groups_unverified"],
+            "nothing_verified": self.counts["nothing_verified"],
             "untrusted_verdicts": self.reputation.counts["verdicts_ignored_untrusted_validator"],
             "stages": self.stages.summary(),
         }
@@ -134,7 +152,7 @@ class AdmissionService:
         self._arrived_at[batch_id] = trio.current_time()
         while len(self._frames) > self.capacity:
             forgotten, _ = self._frames.popitem(last=False)
-            self._first_accept.pop(forgotten, None)
+            self._verified.pop(forgotten, None)
             self._arrived_at.pop(forgotten, None)
             self.counts["dropped_frames"] += 1
         self._settle(batch_id)
@@ -149,7 +167,7 @@ class AdmissionService:
             self.reputation.observe(verdict)
         self.book.record(verdict, validator)
         if verdict.accepted:
-            self._first_accept.setdefault(verdict.batch_id, verdict)
+            self._record_verified(verdict)
         self._settle(verdict.batch_id)
 
     # -- bookkeeping ------------------------------------------------------------------------------------
@@ -160,7 +178,7 @@ class AdmissionService:
         if self.book.rejected(batch_id):
             self._mark(batch_id, handed_out=False)
             self._frames.pop(batch_id, None)
-            self._first_accept.pop(batch_id, None)
+            self._verified.pop(batch_id, None)
             self._arrived_at.pop(batch_id, None)
             self.counts["rejected"] += 1
             verdict = self.book.verdict_of(batch_id)
@@ -171,21 +189,48 @@ class AdmissionService:
         if batch is None or not self.book.admitted(batch_id):
             return
         del self._frames[batch_id]
-        first = self._first_accept.pop(batch_id, None)
+        verified = {g: r for g, r in self._verified.pop(batch_id, {}).items() if g < batch.groups}
         self._mark(batch_id, handed_out=True)
         self.counts["accepted"] += 1
         self.accepted_by_worker[str(batch.worker)] += 1
         now = trio.current_time()
         self.stages.add("await_verdict", now - self._arrived_at.pop(batch_id, now))
+        self.counts["groups_unverified"] += batch.groups - len(verified)
+        if not verified:
+            self.counts["nothing_verified"] += 1
+            log.warning("batch %s accepted with no verified group: nothing to train", batch_id.hex()[:16])
+            return
+        groups = sorted(verified)
+        lined_up = all(len(verified[g]) == batch.group_size for g in groups)
         self._ready.append(
             AcceptedBatch(
-                batch, batch.worker, batch_id, first.rewards if first is not None else (), accepted_at=now
+                batch.only_groups(groups),
+                batch.worker,
+                batch_id,
+                tuple(r for g in groups for r in verified[g]) if lined_up else (),
+                accepted_at=now,
+                verified_groups=tuple(groups),
+                drawn_groups=batch.groups,
             )
         )
         while len(self._ready) > self.capacity:
             self._ready.popleft()
             self.counts["dropped_ready"] += 1
         self._wakeup.set()
+
+    def _record_verified(self, verdict: Verdict) -> None:
+        """Add an accepting verdict's verified groups (with its rewards, when they line up) to its batch's."""
+        groups = verdict.verified_groups
+        entry = self._verified.get(verdict.batch_id)
+        if entry is None:
+            entry = self._verified[verdict.batch_id] = {}
+            while len(self._verified) > 16 * self.capacity:
+                self._verified.popitem(last=False)
+        size = (
+            len(verdict.rewards) // len(groups) if groups and len(verdict.rewards) % len(groups) == 0 else 0
+        )
+        for i, group in enumerate(groups):
+            entry.setdefault(group, verdict.rewards[i * size : (i + 1) * size])
 
     def _delivered(self, stage: str, message: Delivered) -> None:
         """Gossip latency of one message: our wall clock minus the origin's signed timestamp."""

@@ -4,9 +4,11 @@ Stages run cheapest first, and the first stage that finds a problem ends the che
 told exactly what gave it away and no prefill is spent on a batch already known to be bad:
 
 1. envelope: decodes, right domain, fresh, signature recovers the signer, not a replay;
-2. header: the payload is a RolloutBatch of this run, signed by its own ``worker``; its policy step
-   lies within ``[current − async_level, current]`` and the validator holds that policy; its shape
-   and temperature are the run's;
+2. header, read from the payload's first kilobyte before any sample is decoded (``peek_header``): a
+   RolloutBatch of this run, signed by its own ``worker``; its policy step lies within
+   ``[current − async_level, current]`` and the validator holds that policy; its shape (group size,
+   sample count) and temperature are the run's, and its size is within what an honest batch of that
+   shape can take. Only then is the batch decoded (work proportional to its bytes);
 3. schedule: every group's task and every sample's seed are the ones protocol/schedule.py draws for
    (worker, policy step, batch counter, run seed); every prompt is its task's prompt;
 4. completions: tokens in the vocabulary, at most ``max_new_tokens``, ended legitimately (EOS as the
@@ -17,14 +19,16 @@ told exactly what gave it away and no prefill is spent on a batch already known 
    not pick fails here: TOPLOC alone misses a single changed token) and the claimed log-probs
    against the recomputed ones.
 
-Rewards are recomputed from the completions in every accepted verdict (exactly as the trainer does);
-the batch format carries none to trust.
+Rewards are computed only for the samples stage 5 replayed (``verified_groups``): a completion whose
+tokens were not checked against the model is never executed (a code task runs it), and the verdict
+vouches for the replayed groups alone. The batch format carries no rewards to trust.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,7 +44,7 @@ from protocol import schedule
 from protocol.codec import decode
 from protocol.envelope import Envelope, EnvelopeVerifier
 from protocol.errors import ProtocolError, RemoteProtocolError
-from protocol.rollouts import RolloutBatch
+from protocol.rollouts import BatchHeader, RolloutBatch, peek_header, proof_size
 from protocol.verdict import Verdict
 
 if TYPE_CHECKING:
@@ -58,6 +62,12 @@ ROLLOUT_KIND = "rollouts"
 # See docs/verification.md.
 LOGPROB_TOLERANCE = 1e-3
 REPLAY_TOLERANCE = 1e-4
+# Bytes an honest batch may take beyond its tokens and proofs (msgpack headers: under 40 per sample and
+# 200 for the batch), and the prompt length it is allowed per sample: twice the drawn task's, so a batch
+# refused for its size is far beyond any honest one and an off-schedule batch still gets its own reason.
+SAMPLE_OVERHEAD_BYTES = 64
+BATCH_OVERHEAD_BYTES = 512
+PROMPT_CACHE = 4096
 
 
 @dataclass(frozen=True)
@@ -72,7 +82,8 @@ class CheckPolicy:
     """Recompute only this many (k) of a batch's G groups, drawn with the validator's secret key (0: all).
     A worker that falsifies c groups passes one check with probability C(G − c, k) / C(G, k); the
     peer-score ban turns repeated cheating into near-certain exclusion. Stages 1–4 always see every
-    sample."""
+    sample. Only the recomputed groups are vouched for (``Verdict.verified_groups``), scored and trained
+    on: the others are never executed, whatever the verdict."""
 
 
 @dataclass
@@ -84,7 +95,13 @@ class ValidationResult:
     reasons: list[Reason] = field(default_factory=list)
     rejected_samples: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
+    """Per sample of ``verified_groups``, in order."""
     detail: str = ""
+    header: BatchHeader | None = None
+    """The authenticated header (its signer is its worker), known before the batch is decoded: a batch
+    refused on its header still gets a verdict that charges its worker."""
+    verified_groups: list[int] = field(default_factory=list)
+    """Groups whose every sample passed recomputation (set only on an accepted batch)."""
 
     @property
     def accepted(self) -> bool:
@@ -99,19 +116,22 @@ class ValidationResult:
             self.detail = detail
 
     def verdict(self) -> Verdict | None:
-        """The verdict to sign, or None when the bytes do not even name a batch (nothing to attribute)."""
-        if self.batch is None:
+        """The verdict to sign, or None when the bytes do not name a batch its signer made (nothing to
+        attribute)."""
+        header = self.header if self.batch is None else BatchHeader.of(self.batch)
+        if header is None:
             return None
         return Verdict(
-            run_id=self.batch.run_id,
+            run_id=header.run_id,
             batch_id=self.batch_id,
-            worker=self.batch.worker,
-            policy_step=self.batch.policy_step,
-            batch_counter=self.batch.batch_counter,
+            worker=header.worker,
+            policy_step=header.policy_step,
+            batch_counter=header.batch_counter,
             accepted=self.accepted,
             reasons=tuple(str(r) for r in self.reasons),
             rejected_samples=tuple(sorted(self.rejected_samples)),
             rewards=tuple(self.rewards) if self.accepted else (),
+            verified_groups=tuple(self.verified_groups) if self.accepted else (),
         )
 
 
@@ -144,6 +164,7 @@ class BatchValidator:
         self.engine_thresholds = engine_spec(config.engine).toploc_thresholds()
         self.sampling_key = os.urandom(32) if sampling_key is None else sampling_key
         self._pool = task.train_ids()
+        self._prompts: OrderedDict[int, list[int]] = OrderedDict()  # task id → encoded prompt (bounded)
 
     def validate_frame(self, frame: bytes, *, now_ms: int, current_step: int) -> ValidationResult:
         """Run every stage on one envelope frame as received from the network or read from disk."""
@@ -162,15 +183,24 @@ class BatchValidator:
             result.reject(Reason(exc.reason) if known else Reason.MALFORMED_ENVELOPE, str(exc))
             return self._logged(result)
         try:
+            header = peek_header(envelope.payload)
+        except ProtocolError as exc:
+            result.reject(Reason.MALFORMED_BATCH, str(exc))
+            return self._logged(result)
+        if envelope.signer != header.worker:
+            # No verdict either: it would charge the named worker for what someone else signed.
+            result.reject(Reason.SIGNER_NOT_WORKER, f"signed by {envelope.signer}, names {header.worker}")
+            return self._logged(result)
+        result.header = header
+        engine = self._check_header(header, current_step, result)
+        if engine is None or not self._check_size(header, len(envelope.payload), result):
+            return self._logged(result)
+        try:
             result.batch = decode(envelope.payload, RolloutBatch)
         except ProtocolError as exc:
             result.reject(Reason.MALFORMED_BATCH, str(exc))
             return self._logged(result)
-        if envelope.signer != result.batch.worker:
-            detail = f"signed by {envelope.signer}, names {result.batch.worker}"
-            result.reject(Reason.SIGNER_NOT_WORKER, detail)
-            return self._logged(result)
-        self.check_batch(result.batch, current_step=current_step, result=result)
+        self._check_samples(result.batch, engine, result)
         return self._logged(result)
 
     def check_batch(
@@ -178,58 +208,105 @@ class BatchValidator:
     ) -> ValidationResult:
         """Stages 2–5 on an already authenticated batch."""
         result = result or ValidationResult(batch_id=b"\x00" * 32, batch=batch)
-        engine = self._check_header(batch, current_step, result)
-        if engine is None or not result.accepted:
-            return result
+        engine = self._check_header(BatchHeader.of(batch), current_step, result)
+        if engine is not None:
+            self._check_samples(batch, engine, result)
+        return result
+
+    def _check_samples(self, batch: RolloutBatch, engine: InferenceEngine, result: ValidationResult) -> None:
+        """Stages 3–5; rewards for the replayed groups of an accepted batch."""
         if not self._check_schedule(batch, result):
-            return result
+            return
         if not self._check_completions(batch, result):
-            return result
-        self._recompute(batch, engine, result)
+            return
+        groups = self.recomputed_groups(batch, result.batch_id)
+        self._recompute(batch, groups, engine, result)
         if result.accepted:
             from prime_node.ml.trainer import batch_rewards
 
-            result.rewards = batch_rewards(batch, self.task, self.tokenizer, self.config)
-        return result
+            # Only now, and only for replayed groups: scoring may execute a completion (code tasks).
+            result.verified_groups = groups
+            result.rewards = batch_rewards(batch, self.task, self.tokenizer, self.config, groups=groups)
 
     # -- stage 2 ----------------------------------------------------------------------------------------
 
     def _check_header(
-        self, batch: RolloutBatch, current_step: int, result: ValidationResult
+        self, header: BatchHeader, current_step: int, result: ValidationResult
     ) -> InferenceEngine | None:
+        """The header against the run; the engine holding its policy, or None (rejected)."""
         config = self.config
-        if batch.run_id != config.run_id:
-            result.reject(Reason.WRONG_RUN, f"batch of run {batch.run_id!r}")
+        if header.run_id != config.run_id:
+            result.reject(Reason.WRONG_RUN, f"batch of run {header.run_id!r}")
             return None
-        if batch.policy_step > current_step:
-            result.reject(Reason.FUTURE_POLICY, f"policy {batch.policy_step} is ahead of step {current_step}")
-            return None
-        if batch.policy_step < current_step - config.async_level:
+        if header.policy_step > current_step:
             result.reject(
-                Reason.STALE_POLICY,
-                f"policy {batch.policy_step} is older than {current_step} − async_level {config.async_level}",
+                Reason.FUTURE_POLICY, f"policy {header.policy_step} is ahead of step {current_step}"
             )
             return None
-        if batch.group_size != config.group_size or batch.groups != config.prompts_per_step:
+        if header.policy_step < current_step - config.async_level:
+            detail = f"policy {header.policy_step} is older than {current_step} − {config.async_level}"
+            result.reject(Reason.STALE_POLICY, f"{detail} (async_level)")
+            return None
+        if header.group_size != config.group_size or header.sample_count != config.samples_per_step:
             result.reject(
                 Reason.WRONG_SHAPE,
-                f"{batch.groups} groups of {batch.group_size}, run uses "
-                f"{config.prompts_per_step} of {config.group_size}",
+                f"{header.sample_count} samples in groups of {header.group_size}, run uses "
+                f"{config.prompts_per_step} groups of {config.group_size}",
             )
             return None
-        if batch.temperature != config.temperature:
-            result.reject(Reason.WRONG_TEMPERATURE, f"temperature {batch.temperature} ≠ {config.temperature}")
+        if header.temperature != config.temperature:
+            result.reject(
+                Reason.WRONG_TEMPERATURE, f"temperature {header.temperature} ≠ {config.temperature}"
+            )
             return None
-        engine = self.engines(batch.policy_step)
+        engine = self.engines(header.policy_step)
         if engine is None:
-            result.reject(Reason.UNKNOWN_POLICY, f"this validator does not hold policy {batch.policy_step}")
+            result.reject(Reason.UNKNOWN_POLICY, f"this validator does not hold policy {header.policy_step}")
         return engine
+
+    def _check_size(self, header: BatchHeader, payload_bytes: int, result: ValidationResult) -> bool:
+        """Refuse a payload no honest batch with this header reaches, before decoding it (after the engine
+        lookup, which gives a validator that starts without one its tokenizer)."""
+        limit = self._size_limit(header)
+        if payload_bytes > limit:
+            result.reject(
+                Reason.WRONG_SHAPE,
+                f"{payload_bytes} bytes, more than the {limit} a batch of this run can take",
+            )
+        return result.accepted
+
+    def _size_limit(self, header: BatchHeader) -> int:
+        """Payload bytes an honest batch with this header stays under: per sample at most twice its drawn
+        task's prompt, ``max_new_tokens`` tokens and log-probs, their proof, and encoding overhead."""
+        drawn = schedule.task_indices(
+            header.worker,
+            header.policy_step,
+            header.batch_counter,
+            self.config.seed,
+            pool_size=len(self._pool),
+            count=header.groups,
+        )
+        limit = self.config.max_new_tokens
+        per_completion = 8 * limit + proof_size(limit) + SAMPLE_OVERHEAD_BYTES
+        prompts = sum(2 * 4 * len(self._prompt(self._pool[index])) for index in drawn)
+        return header.group_size * (prompts + header.groups * per_completion) + BATCH_OVERHEAD_BYTES
+
+    def _prompt(self, task_id: int) -> list[int]:
+        """The task's encoded prompt, cached (least recently used dropped beyond ``PROMPT_CACHE``)."""
+        from prime_node.ml.evaluation import encode_prompt
+
+        cached = self._prompts.get(task_id)
+        if cached is None:
+            cached = self._prompts[task_id] = encode_prompt(self.tokenizer, self.task.prompt(task_id))
+            while len(self._prompts) > PROMPT_CACHE:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(task_id)
+        return cached
 
     # -- stage 3 ----------------------------------------------------------------------------------------
 
     def _check_schedule(self, batch: RolloutBatch, result: ValidationResult) -> bool:
-        from prime_node.ml.evaluation import encode_prompt
-
         drawn = schedule.draw(
             batch.worker,
             batch.policy_step,
@@ -239,7 +316,6 @@ class BatchValidator:
             groups=batch.groups,
             group_size=batch.group_size,
         )
-        prompts: dict[int, list[int]] = {}
         for g, (index, seeds) in enumerate(zip(drawn.task_indices, drawn.seeds, strict=True)):
             expected_task = self._pool[index]
             for j, sample in enumerate(batch.group(g)):
@@ -249,9 +325,7 @@ class BatchValidator:
                     continue
                 if sample.seed != seeds[j]:
                     result.reject(Reason.WRONG_SEED, f"sample {number} has seed {sample.seed}", number)
-                if expected_task not in prompts:
-                    prompts[expected_task] = encode_prompt(self.tokenizer, self.task.prompt(expected_task))
-                if list(sample.prompt_tokens()) != prompts[expected_task]:
+                if list(sample.prompt_tokens()) != self._prompt(expected_task):
                     result.reject(Reason.WRONG_PROMPT, f"sample {number} lacks its task's prompt", number)
         return result.accepted
 
@@ -280,15 +354,17 @@ class BatchValidator:
 
     # -- stage 5 ----------------------------------------------------------------------------------------
 
-    def _recompute(self, batch: RolloutBatch, engine: InferenceEngine, result: ValidationResult) -> None:
-        """One prefill of the checked samples; then the TOPLOC check per sample and the sampling replay and
-        log-prob comparison on all checked tokens at once (one pass each, not one per sample)."""
+    def _recompute(
+        self, batch: RolloutBatch, groups: list[int], engine: InferenceEngine, result: ValidationResult
+    ) -> None:
+        """One prefill of the samples of ``groups``; then the TOPLOC check per sample and the sampling
+        replay and log-prob comparison on all checked tokens at once (one pass each, not one per sample)."""
         import torch
 
         from prime_node.ml.sampling import replay_margin, token_logprobs
         from prime_node.verification.proofs import check_proofs
 
-        numbers = self.recomputed_samples(batch, result.batch_id)
+        numbers = [g * batch.group_size + j for g in groups for j in range(batch.group_size)]
         samples = [batch.samples[n] for n in numbers]
         prompts = [list(s.prompt_tokens()) for s in samples]
         completions = [list(s.completion_tokens()) for s in samples]
@@ -331,16 +407,20 @@ class BatchValidator:
                 detail = f"sample {number}: log-prob off by {worst_error:.3g}"
                 result.reject(Reason.LOGPROB_MISMATCH, detail, number)
 
-    def recomputed_samples(self, batch: RolloutBatch, batch_id: bytes) -> list[int]:
-        """Sample numbers the recomputation covers: all, or ``policy.recompute_groups`` whole groups drawn
+    def recomputed_groups(self, batch: RolloutBatch, batch_id: bytes) -> list[int]:
+        """Groups the recomputation covers, ascending: all, or ``policy.recompute_groups`` of them drawn
         with this validator's secret ``sampling_key`` (a worker cannot predict or grind the choice)."""
         groups = self.policy.recompute_groups
         if groups <= 0 or groups >= batch.groups:
-            return list(range(len(batch.samples)))
+            return list(range(batch.groups))
         digest = blake3(self.sampling_key + batch_id)
         rng = np.random.default_rng(int.from_bytes(digest[:16], "big"))
-        chosen = sorted(int(g) for g in rng.choice(batch.groups, size=groups, replace=False))
-        return [g * batch.group_size + j for g in chosen for j in range(batch.group_size)]
+        return sorted(int(g) for g in rng.choice(batch.groups, size=groups, replace=False))
+
+    def recomputed_samples(self, batch: RolloutBatch, batch_id: bytes) -> list[int]:
+        """Sample numbers of ``recomputed_groups``."""
+        size = batch.group_size
+        return [g * size + j for g in self.recomputed_groups(batch, batch_id) for j in range(size)]
 
     def _logged(self, result: ValidationResult) -> ValidationResult:
         if not result.accepted:
