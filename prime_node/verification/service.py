@@ -1,11 +1,17 @@
 """Verification on the network: the validator node service, and the entry points of the other roles.
 
-``ValidatorService`` subscribes to the run's ``rollouts`` topic, keeps the received batch frames in a
-bounded queue (the oldest is dropped, and counted, when validation falls behind), checks one batch at a
-time with ``Judge`` in a worker thread (model forward passes must not stall the trio loop: heartbeats
-and gossip keep flowing) and gossips each signed verdict on ``verdicts``. A batch whose policy
-checkpoint has not arrived yet waits up to ``policy_wait_s`` (the weight swarm is usually a few seconds
-behind the manifest); then the pipeline answers ``stale_policy`` or ``unknown_policy`` itself.
+``ValidatorService`` subscribes to the run's ``rollouts`` topic and screens each frame on arrival
+(protocol/rollout_screen.py: envelope, signer = the peer that gossiped it, this run, a policy step the
+trainer has published or is about to): a frame that fails is refused there and its sender charged on the
+node's peer scores. A frame whose policy checkpoint is held joins its worker's queue; the queues are
+served round-robin (protocol/fair_queue.py), so one worker's flood delays only its own batches. A frame
+whose checkpoint has not arrived yet waits beside the queues (protocol/waiting_room.py) for up to
+``policy_wait_s`` and joins its queue when the checkpoint arrives; at its deadline it is judged anyway
+(the pipeline answers ``unknown_policy``) unless the trainer never published that step, in which case
+it is refused and its sender charged. The check loop itself never waits for anything but work: it judges
+one batch at a time with ``Judge`` in a worker thread (model forward passes must not stall the trio
+loop) and gossips each signed verdict on ``verdicts``. A frame the pipeline rejects without a verdict to
+name its worker (a replay, a body that does not decode) is charged to its sender here too.
 
 Also importable from here: ``publish_batch`` (inferer), ``AdmissionService`` (trainer),
 ``ReputationService`` (any role), the topic names.
@@ -23,10 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from crypto.digests import blake3
 from crypto.keys import Address, WalletKey
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission_service import AcceptedBatch, AdmissionService
+from prime_node.verification.proving import rollout_domain
+from prime_node.verification.reasons import Reason
 from prime_node.verification.reputation import ReputationService
 from prime_node.verification.topics import (
     ROLLOUTS_TOPIC,
@@ -36,9 +45,13 @@ from prime_node.verification.topics import (
 )
 from prime_node.verification.validator import CheckPolicy, ValidationResult
 from protocol.codec import decode, encode
-from protocol.envelope import Envelope
-from protocol.errors import ProtocolError
-from protocol.rollouts import RolloutBatch
+from protocol.envelope import Envelope, FreshnessWindow
+from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.fair_queue import FairQueue
+from protocol.rollout_screen import FUTURE_POLICY, offence_for, screen_rollout
+from protocol.swarm.messages import Announce
+from protocol.topics import CHECKPOINTS_TOPIC
+from protocol.waiting_room import Waiting, WaitingRoom
 
 if TYPE_CHECKING:
     from prime_node.config import RunConfig
@@ -65,7 +78,7 @@ RECENT_RESULTS = 256
 
 @dataclass(frozen=True)
 class Judged:
-    """One finished check, kept (bounded) for status and tests."""
+    """One finished check (or refusal on arrival), kept (bounded) for status and tests."""
 
     batch_id: bytes
     worker: Address | None
@@ -79,18 +92,28 @@ class ValidatorSettings:
     """How a validator queues and waits; the defaults suit a networked run."""
 
     queue_size: int = 64
-    """Batches waiting for a check; the oldest is dropped (and counted) beyond it."""
+    """Batches waiting for a check, all workers together; beyond it the longest queue loses its oldest."""
+    per_worker_queue: int = 16
+    """Batches of one worker waiting for a check; beyond it that worker's oldest is dropped (and counted)."""
     policy_wait_s: float = 30.0
-    """How long a batch may wait for its policy checkpoint before the pipeline judges it without."""
+    """How long a batch may wait for its policy checkpoint (beside the queues) before it is judged without."""
+    waiting_size: int = 64
+    """Batches waiting for their checkpoint, all workers together (the longest wait list loses its newest)."""
+    per_worker_waiting: int = 4
+    """Batches of one worker waiting for their checkpoint; beyond it that worker's new ones are dropped."""
+    future_steps: int = 1
+    """How far past the newest step the trainer has published a batch may claim (a manifest the validator
+    has not heard yet); a claim beyond it is refused on arrival."""
     poll_s: float = 0.5
-    """Fallback poll while waiting for a policy (the weight swarm normally wakes the wait)."""
+    """Fallback poll for arrived checkpoints (the weight swarm normally wakes the waiting batches)."""
     keep_policies: int = 3
     """Policy engines kept loaded (the run's async level + 1 covers every step a batch may claim)."""
     check_policy: CheckPolicy = field(default_factory=CheckPolicy)
 
     def __post_init__(self) -> None:
-        if self.queue_size < 1 or self.policy_wait_s < 0 or self.poll_s <= 0:
-            raise ValueError("queue_size must be positive, waits non-negative")
+        sizes = (self.queue_size, self.per_worker_queue, self.waiting_size, self.per_worker_waiting)
+        if min(sizes) < 1 or self.policy_wait_s < 0 or self.poll_s <= 0 or self.future_steps < 0:
+            raise ValueError("queue sizes must be positive, waits and future_steps non-negative")
 
 
 @dataclass(frozen=True)
@@ -98,7 +121,10 @@ class _Queued:
     frame: bytes
     origin: Address
     origin_peer_id: str
+    step: int
+    """The policy step the frame claims (read while screening it)."""
     queued_at: float
+    waited_s: float = 0.0
 
 
 class ValidatorService:
@@ -123,37 +149,65 @@ class ValidatorService:
         self.current_step = current_step
         self.reputation = reputation
         self.tokenizer = tokenizer
-        self.queue_size = settings.queue_size
+        self.settings = settings
         self.policy_wait_s = settings.policy_wait_s
         self.poll_s = settings.poll_s
         self.keep_policies = settings.keep_policies
         self.check_policy = settings.check_policy
         self.policies_changed = policies_changed
+        self.trainer = Address.parse(run_config.trainer_address) if run_config.trainer_address else None
+        self.announced_step: int | None = None
+        """The newest step the trainer announced on ``checkpoints`` (None until one is heard)."""
+        self.domain = rollout_domain(run_config.run_id)
+        self.window = FreshnessWindow()
         self.stages = StageTimes()
         self.counts: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.recent: deque[Judged] = deque(maxlen=RECENT_RESULTS)
-        self._queue: deque[_Queued] = deque()
+        self._queue: FairQueue[Address, _Queued] = FairQueue(
+            capacity=settings.queue_size, per_key=settings.per_worker_queue
+        )
+        self._waiting: WaitingRoom[Address, _Queued] = WaitingRoom(
+            capacity=settings.waiting_size, per_key=settings.per_worker_waiting
+        )
         self._busy = False
         self._validate_s = 0.0
         self._arrived = trio.Event()
+        self._parked = trio.Event()
         self._judge: Judge | None = None
         self._engines: PolicyEngines | None = None
         self._context: NodeContext | None = None
+
+    @property
+    def context(self) -> NodeContext:
+        if self._context is None:
+            raise NodeError("the validator service is not running", reason="not_running")
+        return self._context
 
     # -- service ----------------------------------------------------------------------------------------
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self._context = context
         await trio.to_thread.run_sync(self._build_judge)
+        if self.trainer is not None:
+            await context.gossip.subscribe(CHECKPOINTS_TOPIC, self._on_announce)
         await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
         context.add_status_section("validation", self.status)
-        task_status.started()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._release_loop)
+            task_status.started()
+            await self._check_loop(context)
+
+    async def _check_loop(self, context: NodeContext) -> None:
+        """Judge queued batches one at a time, round-robin over workers; waits only for work."""
         while True:
-            while not self._queue:
+            while not len(self._queue):
                 self._arrived = trio.Event()
                 await self._arrived.wait()
-            item = self._queue.popleft()
+            _, item = self._queue.pop()
+            if self.reputation is not None and self.reputation.worker_banned(item.origin):
+                self.counts["dropped_banned"] += 1
+                continue
             self._busy = True
             try:
                 await self._validate(context, item)
@@ -167,11 +221,34 @@ class ValidatorService:
             "accepted": self.counts["accepted"],
             "rejected": dict(self.rejected),
             "backlog": len(self._queue) + int(self._busy),
+            "waiting_for_policy": len(self._waiting),
             "mean_validate_s": round(self._validate_s / validated, 4) if validated else 0.0,
+            "refused_on_arrival": self.counts["refused_on_arrival"],
+            "charged": self.counts["charged"],
             "dropped_backlog": self.counts["dropped_backlog"],
+            "dropped_waiting": self.counts["dropped_waiting"],
             "dropped_banned": self.counts["dropped_banned"],
+            "policy_wait_timeouts": self.counts["policy_wait_timeouts"],
             "stages": self.stages.summary(),
         }
+
+    def published_step(self) -> int:
+        """The newest step the trainer has published, as far as this node knows."""
+        current = self.current_step()
+        return current if self.announced_step is None else max(current, self.announced_step)
+
+    async def _on_announce(self, message: Delivered) -> None:
+        """Track the trainer's newest announced step (the swarm service fetches and checks the version)."""
+        if message.origin != self.trainer:
+            return
+        try:
+            announce = decode(message.payload, Announce)
+        except ProtocolError:
+            return  # the weight swarm logs and charges malformed announcements
+        if announce.run == self.run_config.run_id:
+            self.announced_step = max(announce.step, self.announced_step or 0)
+
+    # -- arrival ----------------------------------------------------------------------------------------
 
     async def _on_rollout(self, message: Delivered) -> None:
         if self.reputation is not None:
@@ -179,27 +256,112 @@ class ValidatorService:
                 self.counts["dropped_banned"] += 1
                 return
             self.reputation.learn(message.origin, message.origin_peer_id)
-        if self._context is not None:
-            self.stages.add("delivery", (self._context.clock.wall_ms() - message.timestamp_ms) / 1000)
-        if len(self._queue) >= self.queue_size:
-            self._queue.popleft()
+        context = self.context
+        self.stages.add("delivery", (context.clock.wall_ms() - message.timestamp_ms) / 1000)
+        try:
+            screened = screen_rollout(
+                message.payload,
+                domain=self.domain,
+                window=self.window,
+                sender=message.origin,
+                run_id=self.run_config.run_id,
+                newest_step=self.published_step(),
+                future_steps=self.settings.future_steps,
+                now_ms=context.clock.wall_ms(),
+            )
+        except RemoteProtocolError as exc:
+            self._refuse(message.payload, message.origin, message.origin_peer_id, exc.reason, str(exc))
+            return
+        now = trio.current_time()
+        step = screened.header.policy_step
+        item = _Queued(message.payload, message.origin, message.origin_peer_id, step, now)
+        if self._ready(step):
+            self._enqueue(item)
+            return
+        for dropped in self._waiting.park(
+            item.origin, step, item, now=now, deadline=now + self.policy_wait_s
+        ):
+            self.counts["dropped_waiting"] += 1
+            log.debug(
+                "dropped a batch of %s waiting for policy %d (wait list full)", dropped.key, dropped.step
+            )
+        self._parked.set()
+
+    def _ready(self, step: int) -> bool:
+        """Whether a batch of ``step`` can be judged now: its checkpoint is held, or it is already too old
+        (the pipeline rejects it as stale without one)."""
+        current = self.current_step()
+        if step < current - self.run_config.async_level:
+            return True
+        if step > current:
+            return False
+        directory = self.locate(step)
+        return directory is not None and directory.is_dir()
+
+    def _enqueue(self, item: _Queued) -> None:
+        for dropped in self._queue.push(item.origin, item):
             self.counts["dropped_backlog"] += 1
-        self._queue.append(
-            _Queued(message.payload, message.origin, message.origin_peer_id, trio.current_time())
-        )
+            log.debug("dropped a queued batch of %s (its queue is full)", dropped.origin)
         self._arrived.set()
+
+    def _refuse(self, frame: bytes, origin: Address, peer_id: str, reason: str, detail: str) -> None:
+        """Record a frame refused before judging, and charge the peer that sent it."""
+        code = str(Reason(reason)) if reason in Reason._value2member_map_ else str(Reason.MALFORMED_ENVELOPE)
+        self.counts["refused_on_arrival"] += 1
+        self.rejected[code] += 1
+        self.recent.append(Judged(blake3(frame), None, False, (code,), False))
+        log.info("refused a rollout frame from %s: %s", origin, detail)
+        self._charge(peer_id, code)
+
+    def _charge(self, peer_id: str, reason: str) -> None:
+        offence = offence_for(reason, certain=self.announced_step is not None)
+        if offence is not None:
+            self.counts["charged"] += 1
+            self.context.policy.offence(peer_id, offence, f"rollout frame refused: {reason}")
+
+    # -- waiting for checkpoints (beside the check loop) ------------------------------------------------
+
+    async def _release_loop(self) -> None:
+        """Move waiting batches to their queues as their checkpoints arrive; settle those that expire."""
+        while True:
+            self._release()
+            self._parked = trio.Event()
+            deadline = self._waiting.next_deadline()
+            if deadline is None:
+                await self._parked.wait()
+                continue
+            timeout = min(self.poll_s, max(0.0, deadline - trio.current_time()))
+            with trio.move_on_after(timeout):
+                if self.policies_changed is not None:
+                    await self.policies_changed()
+                else:
+                    await trio.sleep_forever()
+
+    def _release(self) -> None:
+        now = trio.current_time()
+        released, expired = self._waiting.sweep(now, self._ready)
+        for waiting in released:
+            self._enqueue(_waited(waiting, now))
+        published = self.published_step()
+        for waiting in expired:
+            self.counts["policy_wait_timeouts"] += 1
+            if waiting.step > published:  # the trainer never published it: no honest worker could hold it
+                item = waiting.item
+                detail = f"policy {waiting.step} never published within {self.policy_wait_s:.0f} s"
+                self._refuse(item.frame, item.origin, item.origin_peer_id, FUTURE_POLICY, detail)
+            else:  # published, but this node does not hold it: the pipeline answers unknown_policy
+                self._enqueue(_waited(waiting, now))
 
     # -- one batch --------------------------------------------------------------------------------------
 
     async def _validate(self, context: NodeContext, item: _Queued) -> None:
         dequeued = trio.current_time()
         self.stages.add("queue", dequeued - item.queued_at)
-        step = _claimed_step(item.frame)
-        if step is not None:
-            await self._await_policy(step)
+        self.stages.add("policy_wait", item.waited_s)
         started = trio.current_time()
-        self.stages.add("policy_wait", started - dequeued)
-        judge = functools.partial(self._judge_sync, item.frame, context.clock.wall_ms(), self.current_step())
+        judge = functools.partial(
+            self._judge_sync, item.frame, item.step, context.clock.wall_ms(), self.current_step()
+        )
         try:
             result, envelope = await trio.to_thread.run_sync(judge)
         except (NodeError, ProtocolError, OSError, ValueError, RuntimeError) as exc:  # e.g. a bad checkpoint
@@ -225,36 +387,18 @@ class ValidatorService:
             verdict = result.verdict()
             if self.reputation is not None and verdict is not None:
                 self.reputation.observe(verdict)  # our own verdicts do not come back to us over gossip
+        elif result.reasons:
+            # No verdict names a worker (a replay, a body that does not decode): screening proved the
+            # frame is its sender's own, so the sender pays here.
+            self._charge(item.origin_peer_id, str(result.reasons[0]))
         worker = result.batch.worker if result.batch is not None else None
         reasons = tuple(str(r) for r in result.reasons)
         self.recent.append(Judged(result.batch_id, worker, result.accepted, reasons, published))
-
-    async def _await_policy(self, step: int) -> None:
-        """Wait (bounded) until the claimed policy is current enough and its checkpoint is on disk."""
-        deadline = trio.current_time() + self.policy_wait_s
-        while trio.current_time() < deadline:
-            current = self.current_step()
-            if step < current - self.run_config.async_level or step > current + 1:
-                return  # stale, or further ahead than one missed manifest: the pipeline rejects it now
-            if step <= current and self._has_policy(step):
-                return
-            # Woken as soon as the weight swarm completes a version; the poll is only a fallback.
-            with trio.move_on_after(min(self.poll_s, max(0.0, deadline - trio.current_time()))):
-                if self.policies_changed is not None:
-                    await self.policies_changed()
-                else:
-                    await trio.sleep_forever()
-        self.counts["policy_wait_timeouts"] += 1
-
-    def _has_policy(self, step: int) -> bool:
-        directory = self.locate(step)
-        return directory is not None and directory.is_dir()
 
     # -- in the worker thread ---------------------------------------------------------------------------
 
     def _build_judge(self) -> None:
         from prime_node.tasks.factory import build_task
-        from prime_node.verification.proving import rollout_domain
         from prime_node.verification.role import Judge, PolicyEngines
         from prime_node.verification.validator import BatchValidator
         from protocol.envelope import EnvelopeVerifier
@@ -265,18 +409,26 @@ class ValidatorService:
             build_task(self.run_config.task),
             self.tokenizer,
             self._engine,
-            rollout_verifier=EnvelopeVerifier(rollout_domain(self.run_config.run_id)),
+            rollout_verifier=EnvelopeVerifier(self.domain, self.window),
             policy=self.check_policy,
         )
         self._judge = Judge(validator, self.key)
 
     def _engine(self, step: int) -> TorchEngine | None:
-        """``PolicyEngines`` plus the tokenizer, read from the first checkpoint seen when none was given."""
+        """``PolicyEngines``, once the tokenizer is known (read from the first checkpoint seen when none
+        was given)."""
+        assert self._engines is not None
+        if self.tokenizer is None and not self._load_tokenizer(step):
+            return None
+        return self._engines(step)
+
+    def _load_tokenizer(self, *steps: int) -> bool:
+        """Read the tokenizer from the checkpoint of the first of ``steps`` held; False if none is."""
         assert self._engines is not None and self._judge is not None
-        if self.tokenizer is None:
+        for step in steps:
             directory = self.locate(step)
             if directory is None or not directory.is_dir():
-                return None
+                continue
             from prime_node.ml.tokenizer import load_tokenizer
 
             try:
@@ -287,18 +439,19 @@ class ValidatorService:
                 ) from exc
             self._engines.tokenizer = self.tokenizer
             self._judge.validator.tokenizer = self.tokenizer
-        return self._engines(step)
+            return True
+        return False
 
     def _judge_sync(
-        self, frame: bytes, now_ms: int, current_step: int
+        self, frame: bytes, step: int, now_ms: int, current_step: int
     ) -> tuple[ValidationResult, Envelope | None]:
         assert self._judge is not None
+        if self.tokenizer is None:  # the pipeline's cheap stages may need it before any engine is built
+            self._load_tokenizer(step, current_step)
         return self._judge.judge(frame, now_ms=now_ms, current_step=current_step)
 
 
-def _claimed_step(frame: bytes) -> int | None:
-    """The policy step a frame claims, read without any checks (only to decide how long to wait)."""
-    try:
-        return decode(decode(frame, Envelope).payload, RolloutBatch).policy_step
-    except ProtocolError:
-        return None
+def _waited(waiting: Waiting[Address, _Queued], now: float) -> _Queued:
+    """The item of a batch that waited for its checkpoint, as it joins its queue."""
+    item = waiting.item
+    return _Queued(item.frame, item.origin, item.origin_peer_id, item.step, now, now - waiting.since)
