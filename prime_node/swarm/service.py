@@ -54,7 +54,8 @@ from protocol.topics import CHECKPOINTS_TOPIC
 log = logging.getLogger(__name__)
 
 STATUS_SECTION = "checkpoints"
-TICK = 1.0
+TICK = 0.25
+"""Seconds between ticks: request timeouts, super-seeding deadlines (as short as 0.25 s), expiring waits."""
 
 
 class SwarmService:
@@ -190,6 +191,13 @@ class SwarmService:
         if self._nursery is None:
             raise NodeError("the swarm service is not running", reason="not_running")
         return self._nursery
+
+    @property
+    def bound_port(self) -> int:
+        """The data plane's listening port (known once the service runs)."""
+        if self._port is None:
+            raise NodeError("the swarm service is not running", reason="not_running")
+        return self._port
 
     @property
     def clock(self) -> NodeClock:

@@ -6,10 +6,14 @@ that lacks a manifest asks for it with ``ManifestRequest``. This machine keeps t
 policy around it, and nothing else:
 
 - the versions held (fetching or complete) and their steps, and to/from whom each was offered;
-- offers of versions we do not hold, at most ``MAX_TRACKED_OFFERS`` ids (oldest forgotten first);
-- the manifests we wait for and whom we asked; a wait nobody patient holds (a follow) expires after
-  ``MANIFEST_TIMEOUT`` seconds without a new peer to ask, so a peer offering made-up ids costs a bounded
-  amount of memory (at most ``MAX_PENDING_FOLLOWS`` at once);
+- offers of versions we do not hold, at most ``MAX_OFFERS_PER_PEER`` ids per peer (its oldest forgotten
+  first), so a peer offering made-up ids never pushes out what honest neighbours offered (the session of
+  a version we later fetch opens with the peers in this table);
+- the manifests we wait for and whom we asked. A follow the trainer announced asks every neighbour and
+  expires after ``MANIFEST_TIMEOUT`` seconds without a new peer to ask (at most ``MAX_PENDING_FOLLOWS``).
+  A follow only a peer's offer names is unverified: it asks only the peers that offered it, each peer
+  starts at most ``MAX_OFFERED_FOLLOWS_PER_PEER``, and it expires ``OFFERED_FOLLOW_TIMEOUT`` seconds
+  after it began whatever anyone says later, so made-up ids cost a bounded wait and crowd out nobody;
 - following: fetch on our own every version we hear of, unless we already hold ``keep`` newer ones;
 - retention: keep the newest ``keep`` complete steps (the one rule, protocol/swarm/retention.py).
 
@@ -36,9 +40,11 @@ from typing import Generic, TypeVar
 from protocol.errors import LocalProtocolError
 from protocol.swarm.retention import beyond_newest
 
-MAX_TRACKED_OFFERS = 256
+MAX_OFFERS_PER_PEER = 16
 MANIFEST_TIMEOUT = 60.0
 MAX_PENDING_FOLLOWS = 32
+MAX_OFFERED_FOLLOWS_PER_PEER = 4
+OFFERED_FOLLOW_TIMEOUT = 30.0
 
 P = TypeVar("P", bound=Hashable)
 
@@ -115,11 +121,19 @@ class HeldEntry(Generic[P]):
 
 @dataclass
 class PendingManifest(Generic[P]):
-    """A manifest asked of peers. ``patient``: callers waiting with no deadline of ours (0: a follow)."""
+    """A manifest asked of peers. ``patient``: callers waiting with no deadline of ours (0: a follow).
+    ``offered_by``: the peer whose unverified offer started this follow (None: the trainer announced it,
+    or a caller asked); such a follow ends at ``deadline``."""
 
     asked: set[P] = field(default_factory=set)
     patient: int = 0
     last_asked: float = 0.0
+    offered_by: P | None = None
+    deadline: float = 0.0
+
+    @property
+    def offered(self) -> bool:
+        return self.offered_by is not None and self.patient == 0
 
 
 class Catalogue(Generic[P]):
@@ -131,6 +145,8 @@ class Catalogue(Generic[P]):
         self.peers: dict[P, None] = {}
         self.versions: dict[bytes, HeldEntry[P]] = {}
         self.offers: dict[bytes, dict[P, int]] = {}
+        self.offered_ids: dict[P, dict[bytes, None]] = {}
+        """Per peer, the ids in ``offers`` it offered, oldest first (bounded by MAX_OFFERS_PER_PEER)."""
         self.pending: dict[bytes, PendingManifest[P]] = {}
         self.following: set[bytes] = set()
 
@@ -153,7 +169,8 @@ class Catalogue(Generic[P]):
         for entry in list(self.versions.values()):
             actions += self._offer(entry, peer)
         for mid, pending in self.pending.items():
-            actions += self._ask(mid, pending, peer, now)
+            if not pending.offered:  # an offered follow asks only the peers that offered it
+                actions += self._ask(mid, pending, peer, now)
         return actions
 
     def peer_down(self, peer: P) -> list[CatalogueAction[P]]:
@@ -163,8 +180,8 @@ class Catalogue(Generic[P]):
             entry.offered_to.discard(peer)
             entry.offered_by.discard(peer)
             actions.append(CloseSession(peer, entry.manifest_id))
-        for holders in self.offers.values():
-            holders.pop(peer, None)
+        for mid in self.offered_ids.pop(peer, {}):
+            self._forget_offer(mid, peer)
         for pending in self.pending.values():
             pending.asked.discard(peer)
         return actions
@@ -179,17 +196,20 @@ class Catalogue(Generic[P]):
         entry = self.versions.get(mid)
         if entry is not None:
             return self._offered_by(entry, peer)
-        holders = self.offers.setdefault(mid, {})
-        if len(self.offers) > MAX_TRACKED_OFFERS:
-            self.offers.pop(next(iter(self.offers)))
-            holders = self.offers.setdefault(mid, {})
-        holders[peer] = step
+        ids = self.offered_ids.setdefault(peer, {})
+        ids.pop(mid, None)
+        ids[mid] = None
+        if len(ids) > MAX_OFFERS_PER_PEER:
+            oldest = next(iter(ids))
+            del ids[oldest]
+            self._forget_offer(oldest, peer)
+        self.offers.setdefault(mid, {})[peer] = step
         actions: list[CatalogueAction[P]] = []
         pending = self.pending.get(mid)
         if pending is not None:
             pending.asked.discard(peer)  # asked before it held the version (no answer then); it does now
             actions += self._ask(mid, pending, peer, now)
-        return actions + self.heard_of(mid, step, now, have_manifest=have_manifest)
+        return actions + self.heard_of(mid, step, now, have_manifest=have_manifest, offered_by=peer)
 
     def manifest_requested(self, peer: P, mid: bytes) -> list[CatalogueAction[P]]:
         """Only versions we hold are answered (we hold their signed manifest)."""
@@ -203,6 +223,8 @@ class Catalogue(Generic[P]):
         if pending is None:
             pending = self.pending[mid] = PendingManifest(last_asked=now)
         pending.patient += patient
+        if patient:
+            pending.offered_by = None  # a caller waits for it: it is no longer only a peer's claim
         actions: list[CatalogueAction[P]] = []
         for peer in list(self.peers):
             actions += self._ask(mid, pending, peer, now)
@@ -233,10 +255,18 @@ class Catalogue(Generic[P]):
 
     # --- following ------------------------------------------------------------------------------------
 
-    def heard_of(self, mid: bytes, step: int, now: float, *, have_manifest: bool) -> list[CatalogueAction[P]]:
-        """An offer or the trainer's announcement names ``mid`` at ``step``: follow it if it is new enough.
-        ``have_manifest``: its signed manifest is already in hand and checked."""
-        if not self.follow or mid in self.versions or mid in self.following:
+    def heard_of(
+        self, mid: bytes, step: int, now: float, *, have_manifest: bool, offered_by: P | None = None
+    ) -> list[CatalogueAction[P]]:
+        """An offer (``offered_by`` the peer) or the trainer's announcement names ``mid`` at ``step``:
+        follow it if it is new enough. ``have_manifest``: its signed manifest is in hand and checked."""
+        if not self.follow or mid in self.versions:
+            return []
+        pending = self.pending.get(mid)
+        if mid in self.following:
+            if offered_by is None and pending is not None and pending.offered:
+                pending.offered_by = None  # the trainer announced it after all: ask everyone
+                return self.request_manifest(mid, now, patient=False)
             return []
         held = sorted((entry.step for entry in self.versions.values()), reverse=True)
         if len(held) >= self.keep and step <= held[self.keep - 1]:
@@ -244,10 +274,26 @@ class Catalogue(Generic[P]):
         if have_manifest:
             self.following.add(mid)
             return [StartFetch(mid)]
-        if mid not in self.pending and self._pending_follows() >= MAX_PENDING_FOLLOWS:
+        if offered_by is not None and pending is None:
+            return self._follow_offer(mid, offered_by, now)
+        if pending is None and self._pending_follows() >= MAX_PENDING_FOLLOWS:
             return []
         self.following.add(mid)
         return self.request_manifest(mid, now, patient=False)
+
+    def _follow_offer(self, mid: bytes, peer: P, now: float) -> list[CatalogueAction[P]]:
+        """Follow a version only ``peer``'s offer names: ask the peers that offered it, for a while."""
+        started = sum(1 for p in self.pending.values() if p.offered and p.offered_by == peer)
+        if started >= MAX_OFFERED_FOLLOWS_PER_PEER:
+            return []
+        self.following.add(mid)
+        pending = self.pending[mid] = PendingManifest[P](
+            last_asked=now, offered_by=peer, deadline=now + OFFERED_FOLLOW_TIMEOUT
+        )
+        actions: list[CatalogueAction[P]] = []
+        for holder in list(self.offers.get(mid, {})):
+            actions += self._ask(mid, pending, holder, now)
+        return actions
 
     def follow_ended(self, mid: bytes) -> None:
         """A followed version did not start fetching (wrong run, disk error)."""
@@ -266,6 +312,7 @@ class Catalogue(Generic[P]):
         for peer in list(self.peers):
             actions += self._offer(entry, peer)
         for peer in self.offers.pop(mid, {}):
+            self.offered_ids.get(peer, {}).pop(mid, None)
             actions += self._offered_by(entry, peer)
         return actions
 
@@ -295,10 +342,16 @@ class Catalogue(Generic[P]):
     # --- time ---------------------------------------------------------------------------------------------
 
     def tick(self, now: float) -> list[CatalogueAction[P]]:
-        """Forget followed manifests nobody answered within ``MANIFEST_TIMEOUT`` of our last ask."""
+        """Forget followed manifests nobody answered within ``MANIFEST_TIMEOUT`` of our last ask, and
+        offered follows at their deadline."""
         actions: list[CatalogueAction[P]] = []
         for mid, pending in list(self.pending.items()):
-            if pending.patient == 0 and now - pending.last_asked >= MANIFEST_TIMEOUT:
+            if pending.patient:
+                continue
+            expired = (
+                now >= pending.deadline if pending.offered else now - pending.last_asked >= MANIFEST_TIMEOUT
+            )
+            if expired:
                 del self.pending[mid]
                 self.following.discard(mid)
                 actions.append(GiveUp(mid))
@@ -335,4 +388,12 @@ class Catalogue(Generic[P]):
             del self.pending[mid]  # only the follow waited for it
 
     def _pending_follows(self) -> int:
-        return sum(1 for pending in self.pending.values() if pending.patient == 0)
+        """Follows the trainer announced (offered follows are bounded per peer instead)."""
+        return sum(1 for pending in self.pending.values() if pending.patient == 0 and not pending.offered)
+
+    def _forget_offer(self, mid: bytes, peer: P) -> None:
+        holders = self.offers.get(mid)
+        if holders is not None:
+            holders.pop(peer, None)
+            if not holders:
+                del self.offers[mid]

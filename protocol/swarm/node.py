@@ -22,6 +22,18 @@ few pieces, and while any piece has never been uploaded, each revealed piece is 
 from it and that is revealed to no one else; requests for pieces not revealed are refused. So the origin
 uploads every piece once before it uploads any piece twice, and the swarm holds a full copy after one
 origin upload of F bytes. After that first pass it reveals the least-served pieces first.
+
+That economy relies on peers re-serving what they got; a peer that takes reveals and never requests
+them, or downloads pieces and serves nobody, would keep a piece from everyone else for as long as it
+stays. So ``tick`` checks deadlines: a revealed piece not requested within the *spread deadline* (since
+its reveal or the peer's last request to us), or a piece uploaded in the first pass that no other peer
+announces within twice that, is *opened*: announced to every peer that lacks it and served to anyone,
+ordinary seeding for that piece. The deadline adapts to the swarm: ``spread_factor`` times the moving
+average of one hop (our upload to the receiver's ``have``), between ``spread_floor`` and
+``spread_timeout``. Each missed deadline is a strike against the peer; a peer with more strikes than
+pieces it made spread gets one reveal at a time instead of ``reveal_per_peer``, and its upload requests
+are served after everyone else's (a peer's progress counts the pieces we sent it, not only those it
+admits to holding).
 """
 
 from __future__ import annotations
@@ -91,6 +103,11 @@ class SwarmConfig:
     request_timeout: float = 600.0
     max_timeouts: int = 3
     serve_laggards_first: bool = True
+    spread_timeout: float = 30.0
+    """Super-seeding: the longest a revealed piece may go unrequested (an uploaded one: twice that) before
+    the origin serves it to everyone; also the deadline before any hop was measured."""
+    spread_floor: float = 0.25
+    spread_factor: float = 4.0
 
 
 @dataclass(slots=True)
@@ -101,9 +118,20 @@ class PeerSession:
     requested_at: dict[int, float] = field(default_factory=dict)
     cancelled: dict[int, None] = field(default_factory=dict)
     timeouts: int = 0
-    revealed: set[int] = field(default_factory=set)
+    revealed: dict[int, float] = field(default_factory=dict)
+    """Super-seeding: pieces revealed to this peer and not yet sent, with the time of the reveal."""
+    last_request: float = 0.0
+    sent: int = 0
+    """Pieces we uploaded to it (whether or not it admits to holding them)."""
+    strikes: int = 0
+    spread: int = 0
+    """Super-seeding: deadlines it missed, and pieces we sent it first that others then announced."""
     service_time: float = 0.0
     """Moving average of request-to-arrival time: how quickly this peer answers us (0: no sample yet)."""
+
+    @property
+    def hoarding(self) -> bool:
+        return self.strikes > self.spread
 
 
 class SwarmNode:
@@ -133,6 +161,13 @@ class SwarmNode:
         self.served = [0] * piece_count
         self.reveals = [0] * piece_count
         self.never_served = piece_count
+        """First-pass pieces left: never uploaded and not opened."""
+        self.open = 0
+        """Super-seeding: pieces served to anyone because they did not spread (see the module doc)."""
+        self.unspread: dict[int, tuple[Hashable, float]] = {}
+        """First-pass pieces uploaded and not yet announced by another peer: receiver, upload time."""
+        self.hop_time = 0.0
+        """Moving average of one hop: our upload to the receiver's ``have`` (0: no sample yet)."""
 
     @property
     def have(self) -> int:
@@ -152,8 +187,9 @@ class SwarmNode:
         self.peers[peer] = PeerSession()
         self.picker.add_peer(peer)
         if self.super_seed:
-            actions: list[Action] = [Send(peer, Bitfield(self.manifest_id, to_wire(0, self.piece_count)))]
-            return actions + self._reveal(peer)
+            bits = to_wire(self.open, self.piece_count)
+            actions: list[Action] = [Send(peer, Bitfield(self.manifest_id, bits))]
+            return actions + self._reveal(peer, now)
         return [Send(peer, Bitfield(self.manifest_id, to_wire(self.have, self.piece_count)))]
 
     def disconnected(self, peer: Hashable, now: float) -> list[Action]:
@@ -162,13 +198,15 @@ class SwarmNode:
         self._forget(peer)
         actions: list[Action] = self._start_uploads()
         if self.super_seed:
-            actions += self._reveal_all()
+            actions += self._reveal_all(now)
         return actions + self._fill_all(now)
 
     def _forget(self, peer: Hashable) -> None:
         session = self.peers.pop(peer)
         for index in session.revealed:
             self.reveals[index] -= 1
+        for index in [i for i, (holder, _) in self.unspread.items() if holder == peer]:
+            del self.unspread[index]  # served and gone: the second pass serves it again
         self.picker.remove_peer(peer)
         self.uploads.drop_peer(peer)
 
@@ -180,7 +218,7 @@ class SwarmNode:
         actions: list[Action] = [Disconnect(peer, reason)]
         actions += self._start_uploads()
         if self.super_seed:
-            actions += self._reveal_all()
+            actions += self._reveal_all(now)
         return actions + self._fill_all(now)
 
     # --- messages --------------------------------------------------------------------------------------
@@ -207,7 +245,7 @@ class SwarmNode:
             if isinstance(message, Bitfield):
                 return self._on_bitfield(peer, from_wire(message.bits, self.piece_count), now)
             if isinstance(message, Request):
-                return self._on_request(peer, message.index)
+                return self._on_request(peer, message.index, now)
             if isinstance(message, Cancel):
                 return self._on_cancel(peer, message.index)
             if isinstance(message, Reject):
@@ -229,10 +267,13 @@ class SwarmNode:
         picker = self.picker
         picker.peer_has(peer, index)
         actions: list[Action] = []
-        if self.super_seed and index in session.revealed:
-            session.revealed.discard(index)
-            self.reveals[index] -= 1
-            actions += self._reveal_all()
+        if self.super_seed:
+            if index in self.unspread:
+                self._seen(peer, index, now)
+            if index in session.revealed:
+                del session.revealed[index]
+                self.reveals[index] -= 1
+                actions += self._reveal_all(now)
         limits = picker.limits
         if (
             picker.needed
@@ -247,15 +288,20 @@ class SwarmNode:
         session.bits |= bits
         self.picker.peer_has_all(peer, bits)
         if self.super_seed:
-            return self._reveal(peer)
+            for index in [i for i in self.unspread if bits >> i & 1]:
+                self._seen(peer, index, now)
+            return self._reveal(peer, now)
         return self._requests(self.picker.fill((peer,)), now)
 
-    def _on_request(self, peer: Hashable, index: int) -> list[Action]:
+    def _on_request(self, peer: Hashable, index: int, now: float) -> list[Action]:
         self._check_index(index)
         if not self.have >> index & 1:
             return [Send(peer, Reject(self.manifest_id, index, "missing"))]
-        if self.super_seed and index not in self.peers[peer].revealed:
-            return [Send(peer, Reject(self.manifest_id, index, "not_offered"))]
+        if self.super_seed:
+            session = self.peers[peer]
+            session.last_request = now
+            if index not in session.revealed and not self.open >> index & 1:
+                return [Send(peer, Reject(self.manifest_id, index, "not_offered"))]
         if not self.uploads.request(peer, index):
             return [Send(peer, Reject(self.manifest_id, index, "too_many_requests"))]
         return self._start_uploads()
@@ -331,17 +377,19 @@ class SwarmNode:
         actions = self._start_uploads()
         if self.super_seed:
             self.served[index] += 1
-            if self.served[index] == 1:
+            first = self.served[index] == 1 and not self.open >> index & 1
+            if first:
                 self.never_served -= 1
             session = self.peers.get(peer)
-            if session is not None and index in session.revealed:
-                session.revealed.discard(index)
+            if session is None:
+                return actions
+            session.sent |= 1 << index
+            if first:
+                self.unspread[index] = (peer, now)
+            if index in session.revealed:
+                del session.revealed[index]
                 self.reveals[index] -= 1
-            actions += (
-                self._reveal_all()
-                if self.never_served == 0 and self.served[index] == 1
-                else self._reveal(peer)
-            )
+            actions += self._reveal_all(now) if self.never_served == 0 and first else self._reveal(peer, now)
         return actions
 
     def tick(self, now: float) -> list[Action]:
@@ -363,7 +411,69 @@ class SwarmNode:
             if session.timeouts >= self.config.max_timeouts:
                 self._forget(peer)
                 actions.append(Disconnect(peer, "unresponsive"))
+        if self.super_seed:
+            actions += self._open_stuck(now)
         return actions + self._fill_all(now) if expired else actions
+
+    # --- super-seeding: pieces that do not spread ------------------------------------------------------
+
+    def spread_deadline(self) -> float:
+        """How long a revealed piece may wait for its request (see the module doc)."""
+        config = self.config
+        if not self.hop_time:
+            return config.spread_timeout
+        return min(config.spread_timeout, max(config.spread_floor, config.spread_factor * self.hop_time))
+
+    def _seen(self, peer: Hashable, index: int, now: float) -> None:
+        """``peer`` announced ``index``, a first-pass piece not yet seen spreading."""
+        holder, sent_at = self.unspread[index]
+        if peer == holder:  # one hop: our upload reached it and it verified the piece
+            sample = max(now - sent_at, 0.0)
+            self.hop_time = sample if not self.hop_time else 0.8 * self.hop_time + 0.2 * sample
+            return
+        if self.peers[peer].sent >> index & 1:
+            return  # it got the piece from us, not from the holder
+        del self.unspread[index]
+        session = self.peers.get(holder)
+        if session is not None:
+            session.spread += 1
+
+    def _open_stuck(self, now: float) -> list[Action]:
+        """Open the pieces whose reveal or first upload missed its deadline; strike their peers."""
+        deadline = self.spread_deadline()
+        stuck: list[int] = []
+        for session in self.peers.values():
+            for index, revealed_at in list(session.revealed.items()):
+                if now - max(revealed_at, session.last_request) >= deadline:
+                    del session.revealed[index]
+                    self.reveals[index] -= 1
+                    session.strikes += 1
+                    stuck.append(index)
+        for index, (holder, sent_at) in list(self.unspread.items()):
+            if now - sent_at < 2 * deadline:
+                continue
+            lacking = [s for p, s in self.peers.items() if p != holder and not (s.bits | s.sent) >> index & 1]
+            if not lacking:
+                continue  # nobody else wants it (yet)
+            del self.unspread[index]
+            if any(not s.hoarding for s in lacking):  # it had someone to serve it to
+                self.peers[holder].strikes += 1
+            stuck.append(index)
+        if not stuck:
+            return []
+        return self._open(stuck) + self._reveal_all(now)
+
+    def _open(self, indices: list[int]) -> list[Action]:
+        actions: list[Action] = []
+        for index in indices:
+            if self.open >> index & 1:
+                continue
+            self.open |= 1 << index
+            if not self.served[index]:
+                self.never_served -= 1
+            have = Have(self.manifest_id, index)
+            actions += [Send(p, have) for p, s in self.peers.items() if not s.bits >> index & 1]
+        return actions
 
     # --- internals -------------------------------------------------------------------------------------
 
@@ -388,36 +498,41 @@ class SwarmNode:
         return self._requests(self.picker.fill([peer for peer, _ in order]), now)
 
     def _start_uploads(self) -> list[Action]:
-        peer_bits = self.picker.peer_bits
+        peer_bits, peers, count = self.picker.peer_bits, self.peers, self.piece_count
         if self.config.serve_laggards_first:
-            started = self.uploads.start_ready(lambda peer: peer_bits[peer].bit_count())
+            # Pieces sent count as held (a peer cannot jump the queue by hiding them); hoarders go last.
+            def progress(peer: Hashable) -> int:
+                session = peers[peer]
+                return (peer_bits[peer] | session.sent).bit_count() + count * session.hoarding
+
+            started = self.uploads.start_ready(progress)
         else:
             started = self.uploads.start_ready(lambda peer: 0)
         return [Upload(peer, index) for peer, index in started]
 
-    def _reveal_all(self) -> list[Action]:
+    def _reveal_all(self, now: float) -> list[Action]:
         actions: list[Action] = []
         for peer in list(self.peers):
-            actions += self._reveal(peer)
+            actions += self._reveal(peer, now)
         return actions
 
-    def _reveal(self, peer: Hashable) -> list[Action]:
+    def _reveal(self, peer: Hashable, now: float) -> list[Action]:
         """Super-seeding: top up the pieces revealed to ``peer`` (see the module doc)."""
         session = self.peers[peer]
         actions: list[Action] = []
-        while len(session.revealed) < self.config.reveal_per_peer:
+        quota = 1 if session.hoarding else self.config.reveal_per_peer
+        while len(session.revealed) < quota:
             index = self._piece_to_reveal(session)
             if index is None:
                 break
-            session.revealed.add(index)
+            session.revealed[index] = now
             self.reveals[index] += 1
             actions.append(Send(peer, Have(self.manifest_id, index)))
         return actions
 
     def _piece_to_reveal(self, session: PeerSession) -> int | None:
-        lacking = [
-            i for i in range(self.piece_count) if not (session.bits >> i & 1) and i not in session.revealed
-        ]
+        told = session.bits | self.open  # open pieces were announced to every peer already
+        lacking = [i for i in range(self.piece_count) if not (told >> i & 1) and i not in session.revealed]
         if self.never_served:
             # First pass: only pieces never uploaded and revealed to nobody else.
             fresh = [i for i in lacking if self.served[i] == 0 and self.reveals[i] == 0]

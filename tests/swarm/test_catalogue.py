@@ -11,8 +11,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from protocol.errors import LocalProtocolError
 from protocol.swarm.catalogue import (
     MANIFEST_TIMEOUT,
+    MAX_OFFERED_FOLLOWS_PER_PEER,
+    MAX_OFFERS_PER_PEER,
     MAX_PENDING_FOLLOWS,
-    MAX_TRACKED_OFFERS,
+    OFFERED_FOLLOW_TIMEOUT,
     AskManifest,
     Catalogue,
     CatalogueAction,
@@ -48,6 +50,7 @@ class CatalogueMachine(RuleBasedStateMachine):
         self.verified: set[bytes] = set()  # manifests the "service" checked
         self.to_start: set[bytes] = set()  # StartFetch received, not yet carried out
         self.steps: dict[bytes, int] = {}
+        self.recent: dict[str, list[bytes]] = {}  # per peer, its newest offers of versions not held
 
     # --- carrying out actions, checking each against the model -----------------------------------------
 
@@ -99,6 +102,7 @@ class CatalogueMachine(RuleBasedStateMachine):
     def peer_down(self, data: st.DataObject) -> None:
         peer = data.draw(st.sampled_from(sorted(self.up)))
         self.up.discard(peer)
+        self.recent.pop(peer, None)
         self.offered_to = {k for k in self.offered_to if k[0] != peer}
         self.offered_by = {k for k in self.offered_by if k[0] != peer}
         actions = self.catalogue.peer_down(peer)
@@ -114,10 +118,38 @@ class CatalogueMachine(RuleBasedStateMachine):
         if mid in self.catalogue.versions:
             self.offered_by.add((peer, mid))
         follow = self.catalogue.follow
+        self.remember_offer(peer, mid)
         actions = self.catalogue.offer_received(peer, mid, step, self.now, have_manifest=have_manifest)
         if not follow:
             assert not any(isinstance(a, StartFetch) for a in actions)
+        if mid not in self.catalogue.following:  # an offered follow asks only the peers that offered it
+            holders = set(self.catalogue.offers.get(mid, {}))
+            for action in actions:
+                if isinstance(action, AskManifest) and action.manifest_id != mid:
+                    assert self.catalogue.pending[action.manifest_id].offered_by is None
+            assert all(
+                a.peer in holders for a in actions if isinstance(a, AskManifest) and a.manifest_id == mid
+            )
         self.run(actions)
+
+    @precondition(lambda self: self.up)
+    @rule(data=st.data(), count=st.integers(1, 300), first=st.integers(0, 10_000))
+    def offer_flood(self, data: st.DataObject, count: int, first: int) -> None:
+        """A hostile peer offers many made-up ids with high steps."""
+        peer = data.draw(st.sampled_from(sorted(self.up)))
+        for i in range(first, first + count):
+            mid = (1 << 200 | i).to_bytes(32, "big")
+            self.remember_offer(peer, mid)
+            self.run(self.catalogue.offer_received(peer, mid, 1000 + i, self.now, have_manifest=False))
+
+    def remember_offer(self, peer: str, mid: bytes) -> None:
+        if mid in self.catalogue.versions:
+            return
+        recent = self.recent.setdefault(peer, [])
+        if mid in recent:
+            recent.remove(mid)
+        recent.append(mid)
+        del recent[:-MAX_OFFERS_PER_PEER]
 
     @precondition(lambda self: self.up)
     @rule(data=st.data(), mid=MIDS)
@@ -175,6 +207,9 @@ class CatalogueMachine(RuleBasedStateMachine):
         self.add(mid, step, complete=complete)
 
     def add(self, mid: bytes, step: int, *, complete: bool) -> None:
+        for recent in self.recent.values():
+            if mid in recent:
+                recent.remove(mid)
         for peer, step_offered in self.catalogue.offers.get(mid, {}).items():
             assert peer in self.up and step_offered >= 0
             self.offered_by.add((peer, mid))
@@ -209,7 +244,10 @@ class CatalogueMachine(RuleBasedStateMachine):
         self.now += seconds
         self.run(self.catalogue.tick(self.now))
         for pending in self.catalogue.pending.values():  # answered, or expired
-            assert pending.patient or self.now - pending.last_asked < MANIFEST_TIMEOUT
+            if pending.offered:  # a fixed deadline that nothing a peer says extends
+                assert self.now < pending.deadline <= self.now + OFFERED_FOLLOW_TIMEOUT
+            else:
+                assert pending.patient or self.now - pending.last_asked < MANIFEST_TIMEOUT
 
     @rule(keep=st.integers(1, 3), follow=st.booleans())
     def settings_change(self, keep: int, follow: bool) -> None:
@@ -225,10 +263,17 @@ class CatalogueMachine(RuleBasedStateMachine):
     @invariant()
     def offers_are_bounded_and_of_versions_not_held(self) -> None:
         catalogue = self.catalogue
-        assert len(catalogue.offers) <= MAX_TRACKED_OFFERS
         assert not set(catalogue.offers) & set(catalogue.versions)
         for holders in catalogue.offers.values():
-            assert set(holders) <= self.up
+            assert holders and set(holders) <= self.up
+        for peer in self.up:
+            assert sum(peer in holders for holders in catalogue.offers.values()) <= MAX_OFFERS_PER_PEER
+
+    @invariant()
+    def no_peer_pushes_out_what_another_offered(self) -> None:
+        for peer, recent in self.recent.items():
+            for mid in recent:
+                assert peer in self.catalogue.offers.get(mid, {}), "an offer was forgotten"
 
     @invariant()
     def bookkeeping_matches_the_connections(self) -> None:
@@ -241,13 +286,19 @@ class CatalogueMachine(RuleBasedStateMachine):
     @invariant()
     def pending_manifests_are_bounded_and_waited_for(self) -> None:
         follows = 0
+        offered: dict[str, int] = {}
         for mid, pending in self.catalogue.pending.items():
             assert pending.asked <= self.up
             assert pending.patient >= 0
-            if not pending.patient:
+            if pending.offered:
+                assert pending.offered_by is not None
+                offered[pending.offered_by] = offered.get(pending.offered_by, 0) + 1
+            elif not pending.patient:
                 follows += 1
+            if not pending.patient:
                 assert mid in self.catalogue.following, "a manifest request nobody waits for"
         assert follows <= MAX_PENDING_FOLLOWS
+        assert all(count <= MAX_OFFERED_FOLLOWS_PER_PEER for count in offered.values())
 
     @invariant()
     def following_only_what_is_not_held(self) -> None:
@@ -282,21 +333,67 @@ def test_a_session_opens_once_both_sides_offered_in_either_order() -> None:
     assert catalogue.peer_down("b") == [CloseSession("b", mid), CloseSession("b", other)]
 
 
-def test_offers_of_unknown_versions_are_bounded_oldest_forgotten_first() -> None:
+def test_offers_of_unknown_versions_are_bounded_per_peer_oldest_forgotten_first() -> None:
     catalogue: Catalogue[str] = Catalogue(keep=1, follow=False)
     catalogue.peer_up("a", 0.0)
-    for i in range(MAX_TRACKED_OFFERS + 10):
+    for i in range(MAX_OFFERS_PER_PEER + 10):
         catalogue.offer_received("a", i.to_bytes(32, "big"), i, 0.0, have_manifest=False)
-    assert len(catalogue.offers) == MAX_TRACKED_OFFERS
+    assert len(catalogue.offers) == MAX_OFFERS_PER_PEER
     assert (0).to_bytes(32, "big") not in catalogue.offers
-    assert (MAX_TRACKED_OFFERS + 9).to_bytes(32, "big") in catalogue.offers
+    assert (MAX_OFFERS_PER_PEER + 9).to_bytes(32, "big") in catalogue.offers
+
+
+def test_a_flood_of_made_up_offers_does_not_push_out_an_honest_offer() -> None:
+    """Issue 13: 6,000 offers of random ids evicted the honest holder's offer, so a later fetch of that
+    version never opened its session with the holder and hung."""
+    catalogue: Catalogue[str] = Catalogue(keep=2, follow=False)
+    real = mid_of(7)
+    catalogue.peer_up("honest", 0.0)
+    catalogue.peer_up("attacker", 0.0)
+    catalogue.offer_received("honest", real, 3, 0.0, have_manifest=False)
+    for i in range(6000):
+        catalogue.offer_received(
+            "attacker", (1 << 200 | i).to_bytes(32, "big"), 10**6, 0.0, have_manifest=False
+        )
+    assert len(catalogue.offers) == 1 + MAX_OFFERS_PER_PEER
+    actions = catalogue.add_version(real, 3, complete=False)
+    assert OpenSession("honest", real) in actions
+
+
+def test_offered_follows_ask_the_offerers_are_bounded_per_peer_and_expire_at_a_fixed_deadline() -> None:
+    """Issue 13: waits for made-up ids never expired (each re-offer and each new link restarted their
+    clock) and filled the follow slots, so the trainer's next version was not followed."""
+    catalogue: Catalogue[str] = Catalogue(keep=2, follow=True)
+    catalogue.peer_up("attacker", 0.0)
+    catalogue.peer_up("honest", 0.0)
+    fake = [(1 << 200 | i).to_bytes(32, "big") for i in range(MAX_PENDING_FOLLOWS + 8)]
+    for now in (0.0, 10.0, 20.0):  # the attacker keeps offering its ids, and a new peer connects
+        for mid in fake:
+            actions = catalogue.offer_received("attacker", mid, 10**6, now, have_manifest=False)
+            assert all(a == AskManifest("attacker", mid) for a in actions)
+        assert catalogue.peer_up(f"new{now}", now) == []
+    offered = [m for m, p in catalogue.pending.items() if p.offered_by == "attacker"]
+    assert len(offered) == MAX_OFFERED_FOLLOWS_PER_PEER
+    # The honest neighbour's offer is still followed, asked of it alone.
+    real = mid_of(9)
+    assert catalogue.offer_received("honest", real, 4, 25.0, have_manifest=False) == [
+        AskManifest("honest", real)
+    ]
+    # The trainer announces another version: every neighbour is asked.
+    announced = mid_of(10)
+    asked = catalogue.heard_of(announced, 5, 25.0, have_manifest=False)
+    assert {a.peer for a in asked if isinstance(a, AskManifest)} == set(catalogue.peers)
+    gave_up = catalogue.tick(OFFERED_FOLLOW_TIMEOUT)
+    assert {a.manifest_id for a in gave_up if isinstance(a, GiveUp)} == set(offered)
+    assert real in catalogue.pending and announced in catalogue.pending
+    assert catalogue.manifest_verified(real) == [StartFetch(real)]
 
 
 def test_following_asks_every_neighbour_then_fetches_the_checked_manifest() -> None:
     catalogue: Catalogue[str] = Catalogue(keep=2, follow=True)
     catalogue.peer_up("a", 0.0)
     mid = mid_of(5)
-    assert catalogue.offer_received("a", mid, 9, 0.0, have_manifest=False) == [AskManifest("a", mid)]
+    assert catalogue.heard_of(mid, 9, 0.0, have_manifest=False) == [AskManifest("a", mid)]
     assert catalogue.peer_up("b", 1.0) == [AskManifest("b", mid)]
     assert catalogue.manifest_verified(mid) == [StartFetch(mid)]
     assert catalogue.pending == {}
@@ -338,7 +435,7 @@ def test_follow_requests_are_bounded() -> None:
     catalogue: Catalogue[str] = Catalogue(keep=1, follow=True)
     catalogue.peer_up("a", 0.0)
     for i in range(MAX_PENDING_FOLLOWS + 5):
-        catalogue.offer_received("a", i.to_bytes(32, "big"), 100 + i, 0.0, have_manifest=False)
+        catalogue.heard_of(i.to_bytes(32, "big"), 100 + i, 0.0, have_manifest=False)
     assert len(catalogue.pending) == MAX_PENDING_FOLLOWS
     # A checked manifest needs no request, so the bound does not stop the trainer's own announcements.
     assert catalogue.heard_of(mid_of(255), 1000, 0.0, have_manifest=True) == [StartFetch(mid_of(255))]
