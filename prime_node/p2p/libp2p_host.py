@@ -9,6 +9,8 @@ Choices forced by what py-libp2p 0.8.1 does (DESIGN §11):
   topic; we raise it and do flood control ourselves, per origin, in protocol/scoring.py.
 - The ``libp2p`` logger reports expected failures (a peer went away) at ERROR; we cap it at CRITICAL
   unless the user asks for debug logs.
+- Its inbound path has no per-IP budget and its dialer blacklists a peer for 60 s after one failed dial:
+  ``inbound_gate.py`` replaces both, ``provider_guard.py`` bounds DHT provider records per IP group.
 
 One module over 400 lines on purpose: it is the whole adapter to py-libp2p, so everything that knows the
 library's quirks (bind errors, stream ends, gossipsub and Kademlia set-up) stays behind one interface.
@@ -21,6 +23,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -28,12 +31,16 @@ import trio
 from crypto.identity import public_key_from_peer_id
 from crypto.keys import WalletKey
 from prime_node.errors import NodeError, first_node_error
+from prime_node.p2p.inbound_gate import InboundGate, KnownPeers, relax_dial_backoff
 from prime_node.p2p.interface import FramedStream, GossipHandler, GossipMessage, PeerAddresses, StreamHandler
+from prime_node.p2p.provider_guard import ProviderGuard
+from protocol.connection_admission import ConnectionLimits
 
 log = logging.getLogger(__name__)
 GOSSIPSUB_PROTOCOL = "/meshsub/1.1.0"
 DIAL_TIMEOUT = 10.0
 NEVER_TRIM = 10.0**9
+PROVIDER_LOOKUP_COUNT = 40  # ask for twice a store's worth, so a crowd of one group does not fill the answer
 
 
 def quiet_libp2p_logs() -> None:
@@ -121,12 +128,15 @@ def _is_end_of_stream(exc: Exception) -> bool:
 class Libp2pHost:
     """A running libp2p host (see the module doc). Create with ``open_libp2p_host``."""
 
-    def __init__(self, host: Any, pubsub: Any, dht: Any, nursery: trio.Nursery) -> None:
-        self._host = host
-        self._pubsub = pubsub
-        self._dht = dht
+    def __init__(self, parts: _HostParts, nursery: trio.Nursery) -> None:
+        self._host = parts.host
+        self._pubsub = parts.pubsub
+        self._dht = parts.dht
+        self._known = parts.known
+        self.inbound_gate = parts.gate
+        self.provider_guard = parts.guard
         self._nursery = nursery
-        self._peer_id = str(host.get_id())
+        self._peer_id = str(parts.host.get_id())
 
     @property
     def peer_id(self) -> str:
@@ -145,7 +155,23 @@ class Libp2pHost:
 
         info = info_from_p2p_addr(parse_multiaddr(multiaddr, need_peer_id=True))
         await self._dial(info)
+        # A peer we were given by address (a bootstrap peer) is known: it keeps its slots at our door.
+        self._known.add(str(info.peer_id), _ips_of(info.addrs))
         return str(info.peer_id)
+
+    def mark_known(self, peer_id: str, *, known: bool = True) -> None:
+        """Vouch for a peer (or stop): known peers skip the per-IP budgets and come first in lookups."""
+        if not known:
+            self._known.discard(peer_id)
+            return
+        from libp2p.peer.id import ID
+
+        ips = set()
+        for conn in self._host.get_network().get_connections(ID.from_base58(peer_id)):
+            remote = conn.muxed_conn.get_remote_address()
+            if remote:
+                ips.add(str(remote[0]))
+        self._known.add(peer_id, ips)
 
     async def connect_peer(self, peer: PeerAddresses) -> None:
         from libp2p.peer.id import ID
@@ -158,6 +184,10 @@ class Libp2pHost:
         if str(info.peer_id) == self._peer_id:
             return
         self._host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
+        # A dial we ask for is never refused from py-libp2p's failed-dial cache: the peer may have been
+        # full a moment ago (its callers retry with their own backoff).
+        network = self._host.get_network()
+        network.unblock_peer(info.peer_id)
         try:
             with trio.fail_after(DIAL_TIMEOUT):
                 await self._host.connect(info)
@@ -165,6 +195,8 @@ class Libp2pHost:
             raise NodeError(f"dialing {info.peer_id} timed out", reason="dial_failed") from exc
         except Exception as exc:
             raise NodeError(f"cannot reach {info.peer_id}: {_short(exc)}", reason="dial_failed") from exc
+        finally:
+            network.unblock_peer(info.peer_id)
         try:
             await self._dht.routing_table.add_peer(info.peer_id)
         except Exception:
@@ -242,11 +274,11 @@ class Libp2pHost:
 
     async def find_providers(self, key: str) -> list[PeerAddresses]:
         try:
-            found = await self._dht.find_providers(key)
+            found = await self._dht.find_providers(key, PROVIDER_LOOKUP_COUNT)
         except Exception as exc:
             raise NodeError(f"DHT lookup failed: {_short(exc)}", reason="dht_failed") from exc
         out = []
-        for info in found:
+        for info in self.provider_guard.select(list(found)):
             peer_id = str(info.peer_id)
             if peer_id != self._peer_id:
                 out.append(PeerAddresses(peer_id, tuple(f"{a}" for a in info.addrs)))
@@ -254,6 +286,17 @@ class Libp2pHost:
 
     def routing_table_size(self) -> int:
         return int(self._dht.get_routing_table_size())
+
+
+def _ips_of(addrs: list[Any]) -> set[str]:
+    ips = set()
+    for addr in addrs:
+        for protocol in ("ip4", "ip6"):
+            try:
+                ips.add(str(addr.value_for_protocol(protocol)))
+            except Exception:
+                continue
+    return ips
 
 
 def _short(exc: BaseException) -> str:
@@ -326,10 +369,22 @@ def _resource_manager() -> Any:
     return ResourceManager(enable_circuit_breaker=False, enable_graceful_degradation=False)
 
 
+@dataclass(frozen=True)
+class _HostParts:
+    host: Any
+    pubsub: Any
+    gossipsub: Any
+    dht: Any
+    known: KnownPeers
+    gate: InboundGate
+    guard: ProviderGuard
+
+
 def _build_host(
-    key: WalletKey, listen_addr: Any, gossip_heartbeat_interval: int
-) -> tuple[Any, Any, Any, Any]:
-    """The host (Noise only, yamux only, one connection per peer), pubsub, gossipsub and a server-mode DHT."""
+    key: WalletKey, listen_addr: Any, gossip_heartbeat_interval: int, limits: ConnectionLimits
+) -> _HostParts:
+    """The host (Noise only, yamux only, one connection per peer) behind our inbound gate, pubsub,
+    gossipsub and a server-mode DHT whose provider store is budgeted per IP group."""
     from libp2p import create_yamux_muxer_option, new_host
     from libp2p.crypto.secp256k1 import create_new_key_pair
     from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
@@ -348,20 +403,37 @@ def _build_host(
         # One connection per peer keeps dials fast (no 250 ms wait for extra connections). When two peers
         # dial each other at once, py-libp2p later "trims" one connection and resets every stream on it;
         # an endless grace period turns that off (at worst a pair keeps two connections).
-        connection_config=ConnectionConfig(max_connections_per_peer=1, grace_period=NEVER_TRIM),
+        connection_config=ConnectionConfig(
+            max_connections_per_peer=1,
+            grace_period=NEVER_TRIM,
+            inbound_upgrade_timeout=limits.handshake_timeout,
+        ),
         listen_addrs=[listen_addr],
         resource_manager=_resource_manager(),
     )
+    swarm = host.get_network()
+    known = KnownPeers()
+    gate = InboundGate(swarm, limits, known)
+    gate.install()
+    relax_dial_backoff(swarm)
     gossipsub = _gossipsub(gossip_heartbeat_interval)
     pubsub = Pubsub(host, gossipsub)
-    return host, pubsub, gossipsub, KadDHT(host, DHTMode.SERVER)
+    dht = KadDHT(host, DHTMode.SERVER)
+    guard = ProviderGuard(swarm, dht.provider_store, limits, known)
+    guard.install()
+    return _HostParts(host, pubsub, gossipsub, dht, known, gate, guard)
 
 
 @asynccontextmanager
 async def open_libp2p_host(
-    key: WalletKey, listen: str = "/ip4/127.0.0.1/tcp/0", *, gossip_heartbeat_interval: int = 1
+    key: WalletKey,
+    listen: str = "/ip4/127.0.0.1/tcp/0",
+    *,
+    gossip_heartbeat_interval: int = 1,
+    limits: ConnectionLimits | None = None,
 ) -> AsyncIterator[Libp2pHost]:
-    """Start a host with the wallet's identity listening on ``listen``; stop it on exit."""
+    """Start a host with the wallet's identity listening on ``listen``; stop it on exit. ``limits``: the
+    inbound budgets per IP group (protocol/connection_admission.py); defaults suit a home node."""
     quiet_libp2p_logs()
     listen_addr = parse_multiaddr(listen, need_peer_id=False)
     if "/tcp/" not in listen:
@@ -369,7 +441,8 @@ async def open_libp2p_host(
 
     from libp2p.tools.anyio_service import background_trio_service
 
-    host, pubsub, gossipsub, dht = _build_host(key, listen_addr, gossip_heartbeat_interval)
+    parts = _build_host(key, listen_addr, gossip_heartbeat_interval, limits or ConnectionLimits())
+    host = parts.host
     started = False
     body_error: BaseException | None = None
     # Teardown always runs cancelled: py-libp2p's services can wait a long time for peers to answer
@@ -383,13 +456,13 @@ async def open_libp2p_host(
                     )
                 started = True
                 async with (
-                    background_trio_service(pubsub),
-                    background_trio_service(gossipsub),
-                    background_trio_service(dht),
+                    background_trio_service(parts.pubsub),
+                    background_trio_service(parts.gossipsub),
+                    background_trio_service(parts.dht),
                 ):
-                    await pubsub.wait_until_ready()
+                    await parts.pubsub.wait_until_ready()
                     try:
-                        yield Libp2pHost(host, pubsub, dht, nursery)
+                        yield Libp2pHost(parts, nursery)
                     except BaseException as exc:
                         body_error = exc
                         raise
