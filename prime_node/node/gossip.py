@@ -6,6 +6,13 @@ its signer is the peer the transport says published it, and that the frame names
 then the per-topic ``SequenceTracker`` decides: deliver, ignore, or ask the origin directly for the
 numbers it skipped. Each node keeps its own recent frames per topic to answer such requests.
 
+Every frame, whether it came on gossip or on a repair stream, passes the sender's budget first
+(``PeerPolicy.admit_gossip``: flood limit, and the probation budget of a new key), and every verified,
+delivered frame counts toward the sender leaving probation. A repair answer is bounded by its request:
+only the asked-for numbers of the asked-for epoch, each once; any other frame is charged as unsolicited
+(five ban), and reading stops when the sender closes, is banned, or after 10 s. One repair per sender and
+topic runs at a time, and answering a request counts as a message from the requester.
+
 Topics are scoped to the run: ``prime-node/<run>/<name>``. Services (checkpoints, rollouts, verdicts)
 subscribe a handler to a name; they never see unsigned or unverified bytes. A topic may have any number
 of handlers: each message is verified and sequenced once, then handed to every one of them in
@@ -39,7 +46,7 @@ from protocol.gossip_sequence import (
     RequestMissing,
     SequenceTracker,
 )
-from protocol.scoring import Offence
+from protocol.scoring import Admission, Offence
 
 log = logging.getLogger(__name__)
 REPAIR_PROTOCOL = "/prime-node/gossip-repair/1"
@@ -83,6 +90,7 @@ class GossipService:
         self._trackers: dict[str, SequenceTracker] = {}
         self._handlers: dict[str, list[PayloadHandler]] = {}
         self._subscribed: set[str] = set()
+        self._repairing: set[tuple[str, str]] = set()  # (topic, sender) with a repair stream open
         core.host.set_stream_handler(REPAIR_PROTOCOL, self._serve_repair)
 
     async def subscribe(self, name: str, handler: PayloadHandler) -> str:
@@ -129,8 +137,7 @@ class GossipService:
 
     async def _on_gossip(self, message: GossipMessage) -> None:
         self.metrics.count("gossip_in", len(message.data))
-        if not self.policy.admit_message(message.origin):
-            self.metrics.count("gossip_ignored_banned")
+        if self.policy.admit_gossip(message.origin) is not Admission.ACCEPT:
             return
         await self._accept(message.topic, message.origin, message.data, from_repair=False)
 
@@ -155,6 +162,7 @@ class GossipService:
             return
         for action in tracker.observe(origin_peer_id, frame.epoch_ms, frame.sequence, self.clock.now()):
             if isinstance(action, Deliver):
+                self.policy.credit(origin_peer_id)
                 if action.repaired:
                     self.metrics.count("gossip_repaired")
                 delivered = Delivered(
@@ -168,7 +176,9 @@ class GossipService:
                 await self._fan_out(delivered)
             elif isinstance(action, RequestMissing) and not from_repair:
                 self.metrics.count("gossip_gaps", 0, action.last - action.first + 1)
-                self.nursery.start_soon(self._repair, topic, action)
+                if (topic, action.sender) not in self._repairing:
+                    self._repairing.add((topic, action.sender))
+                    self.nursery.start_soon(self._repair, topic, action)
 
     async def _fan_out(self, message: Delivered) -> None:
         """Every handler of the topic gets the message; one that fails does not starve the others."""
@@ -185,14 +195,60 @@ class GossipService:
                 stream = await self.host.open_stream(gap.sender, REPAIR_PROTOCOL)
                 try:
                     await stream.send_frame(encode(RepairRequest(topic, gap.epoch_ms, gap.first, gap.last)))
-                    while (frame := await stream.receive_frame(MAX_ENVELOPE_FRAME)) is not None:
-                        await self._accept(topic, gap.sender, frame, from_repair=True)
+                    await self._read_repair(topic, gap, stream)
                 finally:
                     await stream.close()
         except (NodeError, trio.TooSlowError) as exc:
             log.debug("repair of %s %d..%d from %s failed: %s", topic, gap.first, gap.last, gap.sender, exc)
+        finally:
+            self._repairing.discard((topic, gap.sender))
+
+    async def _read_repair(self, topic: str, gap: RequestMissing, stream: FramedStream) -> None:
+        """Take the asked-for frames, each once and within the sender's budget, until the sender closes
+        the stream; charge anything else (an honest sender closes once it has sent what it holds)."""
+        wanted = set(range(gap.first, gap.last + 1))
+        while (data := await stream.receive_frame(MAX_ENVELOPE_FRAME)) is not None:
+            admission = self.policy.admit_gossip(gap.sender)
+            if admission is Admission.BANNED:
+                return
+            sequence = self._solicited(topic, gap, data, wanted)
+            if sequence is None:
+                if self.policy.is_banned(gap.sender):
+                    return
+                continue
+            wanted.discard(sequence)
+            if admission is Admission.ACCEPT:
+                await self._accept(topic, gap.sender, data, from_repair=True)
+
+    def _solicited(self, topic: str, gap: RequestMissing, data: bytes, wanted: set[int]) -> int | None:
+        """The frame's sequence number if it is one we asked for and still want; else charge the sender.
+
+        Decoding only (no signature check): the stream itself is authenticated to ``gap.sender``, so what
+        arrives on it is that peer's doing whoever signed it; ``_accept`` verifies the frames we keep."""
+        try:
+            frame = decode(decode(data, Envelope).payload, GossipFrame)
+        except RemoteProtocolError as exc:
+            self.metrics.reject(exc.reason)
+            log.info("malformed repair frame from %s on %s: %s", gap.sender, topic, exc)
+            self.policy.offence(gap.sender, Offence.MALFORMED, exc.reason)
+            return None
+        if frame.topic == topic and frame.epoch_ms == gap.epoch_ms and frame.sequence in wanted:
+            return frame.sequence
+        self.metrics.reject("unsolicited_repair_frame")
+        log.info(
+            "unsolicited repair frame from %s: %s #%d (asked %d..%d)",
+            gap.sender,
+            frame.topic[:60],
+            frame.sequence,
+            gap.first,
+            gap.last,
+        )
+        self.policy.offence(gap.sender, Offence.UNSOLICITED, "unsolicited_repair_frame")
+        return None
 
     async def _serve_repair(self, stream: FramedStream) -> None:
+        if not self.policy.admit_message(stream.remote_peer_id):  # a request costs us: it is a message
+            return
         try:
             raw = await stream.receive_frame(RepairRequest.MAX_BYTES)
             if raw is None:

@@ -1,7 +1,8 @@
-"""Applies peer scores: counts messages, charges offences, and cuts off banned peers.
+"""Applies peer scores: counts messages, admits gossip within budgets, charges offences, and cuts off
+banned peers.
 
 The scoring rules are pure (protocol/scoring.py); this class carries out their ``Disconnect`` actions on
-the host and records them for the status API.
+the host and records them (and dropped gossip, by reason) for the status API.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import trio
 from prime_node.node.clock import NodeClock
 from prime_node.node.metrics import NodeMetrics
 from prime_node.p2p.interface import P2PHost
-from protocol.scoring import Disconnect, Offence, PeerScores, ScoringConfig
+from protocol.scoring import Admission, Disconnect, Offence, PeerScores, ScoringConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,26 @@ class PeerPolicy:
             return False
         self._apply(self.scores.message(peer_id, self.clock.now()), "flood")
         return not self.is_banned(peer_id)
+
+    def admit_gossip(self, peer_id: str) -> Admission:
+        """Count one gossip frame (normal or repair) from ``peer_id``: only ``ACCEPT`` may be processed.
+        Over the flood limit it is charged; a new key over its probation budget is only dropped."""
+        admission, actions = self.scores.admit(peer_id, self.clock.now())
+        self._apply(actions, "flood")
+        if admission is not Admission.ACCEPT:
+            self.metrics.count(f"gossip_dropped_{admission.value}")
+        return admission
+
+    def credit(self, peer_id: str) -> None:
+        """A gossip frame of ``peer_id`` was verified and delivered: it counts toward leaving probation."""
+        self.scores.credit(peer_id, self.clock.now())
+
+    def vouch(self, peer_id: str) -> None:
+        """Never put ``peer_id`` on probation: a key the run names (trainer, trusted validator)."""
+        self.scores.vouch(peer_id, self.clock.now())
+
+    def on_probation(self, peer_id: str) -> bool:
+        return self.scores.on_probation(peer_id, self.clock.now())
 
     def offence(self, peer_id: str, offence: Offence, reason: str) -> None:
         self.metrics.count(f"offence_{offence.value}")
