@@ -18,7 +18,8 @@ everything, identities included (a relay that swaps a signature gets keys nobody
 
 Frame: ``u32`` big-endian body length ‖ body ‖ 32-byte tag, tag = keyed BLAKE3 (the direction's key)
 over direction ‖ ``u64`` frame counter ‖ ``u32`` length ‖ body. The counter is implicit, so a replayed,
-dropped or reordered frame fails its tag. docs/dataplane.md has the byte-level layout.
+dropped or reordered frame fails its tag. A frame, once begun, must keep moving (``FrameDeadlines``).
+docs/dataplane.md has the byte-level layout.
 """
 
 from __future__ import annotations
@@ -50,6 +51,32 @@ DEFAULT_MAX_FRAME = Piece.MAX_BYTES
 """The largest swarm message (a 16 MiB piece plus its envelope): nothing bigger needs to cross."""
 MAX_CONTEXT_BYTES = 255
 _COUNTER_LIMIT = 1 << 64
+
+
+DEFAULT_FRAME_IDLE = 10.0
+DEFAULT_FRAME_GRACE = 10.0
+DEFAULT_FRAME_MIN_RATE = 64 << 10
+
+
+@dataclass(frozen=True)
+class FrameDeadlines:
+    """How long a frame may take once it has begun, in either direction. A peer may stay silent between
+    frames, but inside one it must keep bytes moving (no gap over ``idle`` seconds) and finish within
+    ``grace + length / min_rate`` seconds: a frame that stalls or trickles would otherwise hold a
+    connection and its buffer for as long as the peer likes."""
+
+    idle: float = DEFAULT_FRAME_IDLE
+    grace: float = DEFAULT_FRAME_GRACE
+    min_rate: float = DEFAULT_FRAME_MIN_RATE
+    """Bytes per second."""
+
+    def __post_init__(self) -> None:
+        if not (self.idle > 0 and self.grace > 0 and self.min_rate > 0):
+            raise LocalProtocolError("frame deadlines must be positive", reason="bad_deadlines")
+
+    def allowance(self, length: int) -> float:
+        """Seconds a frame with a body of ``length`` bytes may take from its first byte to its last."""
+        return self.grace + length / self.min_rate
 
 
 class Role(enum.Enum):

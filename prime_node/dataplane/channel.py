@@ -4,21 +4,26 @@ socket, or an in-memory stream in tests: prime_node/dataplane/streams.py), then 
 An ``AuthenticatedChannel`` knows the wallet address of its peer and offers ``send_frame(bytes)`` /
 ``receive_frame() -> bytes``: exactly what a swarm transport needs (CheckpointTransfer's ``send`` and
 ``frame`` callbacks). Every failure (bad MAC, oversized or truncated frame, failed handshake, lost
-connection) is a ``ChannelError`` with a ``reason``, logged once, and the stream is closed. Receiving
-reads straight into a buffer of the announced size, allocated only after the size is checked (on TCP with
-``recv_into``, no copy). Every timeout is trio's, so tests run under ``autojump_clock``.
+connection, a frame that stalls, memory refused) is a ``ChannelError`` with a ``reason``, logged once,
+and the stream is closed. A hostile peer must not cost more than it sends: a body is received into
+chunks allocated as its bytes arrive (on TCP with ``recv_into``, no copy), each reserved from the node's
+``MemoryBudget`` (budget.py), and a frame once begun must keep moving (``FrameDeadlines``). Every timeout
+is trio's, so tests run under ``autojump_clock``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import trio
 
 from crypto.keys import Address, WalletKey
 from crypto.randomness import random_bytes
+from prime_node.dataplane.budget import MemoryBudget
 from prime_node.dataplane.streams import TCP, StreamListener, StreamTransport
 from prime_node.errors import NodeError
 from protocol.dataplane import (
@@ -28,6 +33,7 @@ from protocol.dataplane import (
     SECRET_SIZE,
     TAG_SIZE,
     FrameCheck,
+    FrameDeadlines,
     FrameOpener,
     FrameSealer,
     Handshake,
@@ -42,6 +48,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = "swarm"
 HANDSHAKE_TIMEOUT = 10.0
+DEFAULT_DEADLINES = FrameDeadlines()
+FIRST_CHUNK = 256 << 10
+"""The first receive buffer of a frame; later ones grow with what has arrived (see ``_receive_body``)."""
+CHUNK_GROWTH = 4
+"""Each later chunk brings what is allocated to this many times what has arrived: few enough chunks (three
+for a 4 MiB frame) that the extra reads cost no measurable throughput, at most 4× what a peer sent."""
+SEND_CHUNK = 256 << 10
+"""Over a stream other than a TCP socket, a frame is sent in slices this large, each a sign of progress
+for the sender's idle deadline."""
 
 
 class ChannelError(NodeError):
@@ -50,56 +65,131 @@ class ChannelError(NodeError):
 
 class AuthenticatedChannel:
     """A stream whose peer proved its wallet address. Frames in each direction are MAC'd and
-    numbered; one sender and one receiver may run at once (each side has its own lock)."""
+    numbered; one sender and one receiver may run at once (each side has its own lock).
 
-    def __init__(self, stream: trio.abc.Stream, keys: SessionKeys, *, max_frame: int) -> None:
+    Receive buffers draw on ``account`` (this channel's share of the node's ``MemoryBudget``) and grow
+    with the bytes that arrive; a frame in either direction must keep to ``deadlines``. When the budget
+    evicts the channel, whatever it is doing stops with ChannelError ``memory_budget``.
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        keys: SessionKeys,
+        *,
+        max_frame: int,
+        deadlines: FrameDeadlines = DEFAULT_DEADLINES,
+        budget: MemoryBudget | None = None,
+    ) -> None:
         self._stream = stream
         self.remote: Address = keys.remote
         self._sealer = FrameSealer(keys.send_key, keys.send_direction, max_frame=max_frame)
         self._opener = FrameOpener(keys.receive_key, keys.receive_direction, max_frame=max_frame)
+        self._deadlines = deadlines
+        self.account = (budget or MemoryBudget()).account(str(keys.remote), self._evict)
         self._send_lock = trio.Lock()
         self._receive_lock = trio.Lock()
+        self._scopes: set[trio.CancelScope] = set()
         self._header = bytearray(FRAME_HEADER.size)
         self._tag = bytearray(TAG_SIZE)
         self.closed = False
+        self.evicted = False
+        self.on_evict: Callable[[], None] | None = None
+        """Called (synchronously) when the budget evicts this channel, after its operations are cancelled:
+        its owner should let go of whatever else it holds for the channel."""
 
     async def send_frame(self, data: bytes) -> None:
-        """Send one frame (≤ the cap). ChannelError if the connection is gone."""
+        """Send one frame (≤ the cap). ChannelError if the connection is gone, or if the peer does not
+        take the frame's bytes within its deadlines (``frame_stalled``, ``frame_too_slow``)."""
         async with self._send_lock:
             self._check_open()
             try:
                 header, tag = self._sealer.seal(data)
             except ProtocolError as exc:
                 raise ChannelError(str(exc), reason=exc.reason) from exc
-            try:
-                await self._stream.send_all(header)
-                await self._stream.send_all(data)
-                await self._stream.send_all(tag)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise await self._fail("connection_lost", f"sending to {self.remote} failed: {exc}") from exc
+            with self._frame_scope() as scope:
+                progress = _Progress(scope, self._deadlines, len(data))
+                try:
+                    await self._stream.send_all(header)
+                    await _send_tracked(self._stream, memoryview(data), progress)
+                    await self._stream.send_all(tag)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    text = f"sending to {self.remote} failed: {exc}"
+                    raise await self._fail("connection_lost", text) from exc
+            if scope.cancelled_caught:
+                raise await self._interrupted(progress, "sending to")
 
     async def receive_frame(self) -> bytes:
         """The next frame, checked. ChannelError reason ``closed`` when the peer closed between frames."""
         async with self._receive_lock:
             self._check_open()
-            try:
-                if not await self._read_into(memoryview(self._header), allow_eof=True):
-                    await self.aclose()
-                    raise ChannelError(f"{self.remote} closed the channel", reason="closed")
-                length = self._opener.body_length(self._header)
-                body = bytearray(length)
-                check = self._opener.begin(length)
-                await _read_exactly(self._stream, memoryview(body), allow_eof=False, check=check)
-                await self._read_into(memoryview(self._tag), allow_eof=False)
-                self._opener.finish(check, self._tag)
-            except ProtocolError as exc:
-                raise await self._fail(exc.reason, f"frame from {self.remote} refused: {exc}") from exc
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                if self.closed:  # closed on our side while a receive was waiting: not a failure
-                    raise ChannelError(f"channel to {self.remote} is closed", reason="closed") from exc
-                text = f"receiving from {self.remote} failed: {exc}"
-                raise await self._fail("connection_lost", text) from exc
-            return bytes(body)
+            frame: bytes | None = None
+            with self._frame_scope() as scope:  # no deadline until the frame's first byte arrives
+                progress = _Progress(scope, self._deadlines, None)
+                try:
+                    frame = await self._receive(progress)
+                except ProtocolError as exc:
+                    raise await self._fail(exc.reason, f"frame from {self.remote} refused: {exc}") from exc
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    if self.closed:  # closed on our side while a receive was waiting: not a failure
+                        raise ChannelError(f"channel to {self.remote} is closed", reason="closed") from exc
+                    text = f"receiving from {self.remote} failed: {exc}"
+                    raise await self._fail("connection_lost", text) from exc
+            if scope.cancelled_caught:
+                raise await self._interrupted(progress, "receiving from")
+            if frame is None:
+                await self.aclose()
+                raise ChannelError(f"{self.remote} closed the channel", reason="closed")
+            return frame
+
+    async def _receive(self, progress: _Progress) -> bytes | None:
+        """One frame, or None at a clean end of stream before its first byte."""
+        header = memoryview(self._header)
+        count = await _receive_into(self._stream, header)
+        if count == 0:
+            return None
+        progress.start(0)
+        await self._fill(header[count:], progress)
+        length = self._opener.body_length(self._header)
+        progress.start(length)
+        check = self._opener.begin(length)
+        body = await self._receive_body(length, check, progress)
+        await self._fill(memoryview(self._tag), progress)
+        self._opener.finish(check, self._tag)
+        return body
+
+    async def _receive_body(self, length: int, check: FrameCheck, progress: _Progress) -> bytes:
+        """The body, read into chunks allocated (and reserved from the budget) only as bytes arrive: the
+        first is 256 KiB, each next one three times what has arrived so far, so a peer that announces 16
+        MiB and sends one byte costs 256 KiB, and an honest 4 MiB frame takes three chunks."""
+        chunks: list[bytearray] = []
+        received = reserved = 0
+        try:
+            while received < length:
+                size = min(length - received, max(FIRST_CHUNK, received * (CHUNK_GROWTH - 1)))
+                if not self.account.reserve(size):
+                    text = f"no memory left for {self.remote}'s frame of {length} bytes"
+                    raise await self._fail("memory_budget", text)
+                reserved += size
+                chunk = bytearray(size)
+                chunks.append(chunk)
+                await self._fill(memoryview(chunk), progress, check)
+                received += size
+            return bytes(chunks[0]) if len(chunks) == 1 else b"".join(chunks)
+        finally:
+            self.account.release(reserved)
+
+    async def _fill(self, view: memoryview, progress: _Progress, check: FrameCheck | None = None) -> None:
+        """Fill ``view`` from inside a frame: the peer hanging up is a truncation."""
+        filled = 0
+        while filled < len(view):
+            count = await _receive_into(self._stream, view[filled:])
+            if count == 0:
+                raise RemoteProtocolError("connection ended inside a frame", reason="truncated_frame")
+            if check is not None:
+                check.update(view[filled : filled + count])
+            filled += count
+            progress.moved()
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._frames()
@@ -116,20 +206,85 @@ class AuthenticatedChannel:
 
     async def aclose(self) -> None:
         self.closed = True
+        self.account.close()
         await self._stream.aclose()
 
-    async def _read_into(self, view: memoryview, *, allow_eof: bool) -> bool:
-        return await _read_exactly(self._stream, view, allow_eof=allow_eof)
+    @contextmanager
+    def _frame_scope(self) -> Iterator[trio.CancelScope]:
+        """A cancel scope for one frame: its deadline follows the frame's progress, eviction cancels it."""
+        with trio.CancelScope() as scope:
+            self._scopes.add(scope)
+            try:
+                yield scope
+            finally:
+                self._scopes.discard(scope)
+
+    def _evict(self) -> None:
+        """The budget took this channel's memory back: stop what it is doing; it fails from now on."""
+        self.evicted = True
+        for scope in self._scopes:
+            scope.cancel()
+        if self.on_evict is not None:
+            self.on_evict()
+
+    async def _interrupted(self, progress: _Progress, doing: str) -> ChannelError:
+        if self.evicted:
+            return await self._fail(
+                "memory_budget", f"{doing} {self.remote}: evicted to keep the node's memory budget"
+            )
+        reason, why = progress.reason()
+        return await self._fail(reason, f"{doing} {self.remote}: {why}")
 
     def _check_open(self) -> None:
+        if self.evicted:
+            raise ChannelError(f"channel to {self.remote} was evicted", reason="memory_budget")
         if self.closed:
             raise ChannelError(f"channel to {self.remote} is closed", reason="closed")
 
     async def _fail(self, reason: str, text: str) -> ChannelError:
-        log.warning("data plane: %s (%s); closing", text, reason)
+        # Once: the other direction's task fails too when the channel closes under it.
+        log.log(
+            logging.DEBUG if self.closed else logging.WARNING, "data plane: %s (%s); closing", text, reason
+        )
         with trio.CancelScope(shield=True):
             await self.aclose()
         return ChannelError(text, reason=reason)
+
+
+class _Progress:
+    """Moves a frame's cancel-scope deadline: ``idle`` seconds after the last bytes moved, never past the
+    frame's own allowance. ``length`` None: not started (a receiver waiting for the next frame)."""
+
+    def __init__(self, scope: trio.CancelScope, deadlines: FrameDeadlines, length: int | None) -> None:
+        self._scope = scope
+        self._deadlines = deadlines
+        self._began = 0.0
+        self._end = math.inf
+        if length is not None:
+            self.start(length)
+
+    def start(self, length: int) -> None:
+        """The frame began (at its first byte; called again once its length is known)."""
+        if self._end == math.inf:
+            self._began = trio.current_time()
+        self._end = self._began + self._deadlines.allowance(length)
+        self.moved()
+
+    def moved(self) -> None:
+        """Bytes moved. The deadline is pushed back only once a quarter of ``idle`` has passed since it
+        was set (cheap at thousands of reads per frame), so a silence of ``idle`` seconds is always
+        caught and one shorter than ``idle * 3 / 4`` never is."""
+        idle = self._deadlines.idle
+        target = min(self._end, trio.current_time() + idle)
+        deadline = self._scope.deadline
+        if target != deadline and (target < deadline or target == self._end or target - deadline > idle / 4):
+            self._scope.deadline = target
+
+    def reason(self) -> tuple[str, str]:
+        if trio.current_time() >= self._end:
+            allowed = self._end - self._began
+            return "frame_too_slow", f"a frame took longer than its {allowed:.0f} s"
+        return "frame_stalled", f"no bytes moved for {self._deadlines.idle:.0f} s inside a frame"
 
 
 async def _receive_into(stream: trio.abc.Stream, view: memoryview) -> int:
@@ -141,22 +296,28 @@ async def _receive_into(stream: trio.abc.Stream, view: memoryview) -> int:
     return len(chunk)
 
 
-async def _read_exactly(
-    stream: trio.abc.Stream, view: memoryview, *, allow_eof: bool, check: FrameCheck | None = None
-) -> bool:
-    """Fill ``view`` from the stream, feeding ``check`` each chunk as it lands. False at EOF before the
-    first byte when ``allow_eof``."""
+async def _send_tracked(stream: trio.abc.Stream, view: memoryview, progress: _Progress) -> None:
+    """Send ``view``, telling ``progress`` whenever bytes leave. A TCP socket sends straight from the
+    view, reporting every partial send; another stream gets it in ``SEND_CHUNK`` slices."""
+    if isinstance(stream, trio.SocketStream):
+        sent = 0
+        while sent < len(view):
+            sent += await stream.socket.send(view[sent:])
+            progress.moved()
+        return
+    for start in range(0, len(view), SEND_CHUNK):
+        await stream.send_all(view[start : start + SEND_CHUNK])
+        progress.moved()
+
+
+async def _read_exactly(stream: trio.abc.Stream, view: memoryview) -> None:
+    """Fill ``view`` from the stream (the handshake's small frames, under the handshake's deadline)."""
     filled = 0
     while filled < len(view):
         count = await _receive_into(stream, view[filled:])
         if count == 0:
-            if allow_eof and filled == 0:
-                return False
             raise RemoteProtocolError("connection ended inside a frame", reason="truncated_frame")
-        if check is not None:
-            check.update(view[filled : filled + count])
         filled += count
-    return True
 
 
 async def _run_handshake(stream: trio.abc.Stream, handshake: Handshake, timeout: float) -> SessionKeys:
@@ -167,9 +328,9 @@ async def _run_handshake(stream: trio.abc.Stream, handshake: Handshake, timeout:
                 await stream.send_all(handshake_frame(frame))
             while not handshake.done:
                 header = bytearray(FRAME_HEADER.size)
-                await _read_exactly(stream, memoryview(header), allow_eof=False)
+                await _read_exactly(stream, memoryview(header))
                 body = bytearray(handshake_length(header))
-                await _read_exactly(stream, memoryview(body), allow_eof=False)
+                await _read_exactly(stream, memoryview(body))
                 for frame in handshake.receive(bytes(body)):
                     await stream.send_all(handshake_frame(frame))
     except ProtocolError as exc:
@@ -211,9 +372,12 @@ async def open_channel(
     context: str = DEFAULT_CONTEXT,
     max_frame: int = DEFAULT_MAX_FRAME,
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    deadlines: FrameDeadlines = DEFAULT_DEADLINES,
+    budget: MemoryBudget | None = None,
     transport: StreamTransport = TCP,
 ) -> AuthenticatedChannel:
-    """Dial ``host:port`` and prove both identities; ChannelError unless the peer is ``expected_peer``."""
+    """Dial ``host:port`` and prove both identities; ChannelError unless the peer is ``expected_peer``.
+    ``budget``: the node's shared MemoryBudget (None: the channel gets a default-sized one of its own)."""
     try:
         stream = await transport.open_stream(host, port)
     except OSError as exc:
@@ -221,7 +385,7 @@ async def open_channel(
     keys = await _run_handshake(
         stream, _new_handshake(Role.DIALER, wallet, context, expected_peer), handshake_timeout
     )
-    return AuthenticatedChannel(stream, keys, max_frame=max_frame)
+    return AuthenticatedChannel(stream, keys, max_frame=max_frame, deadlines=deadlines, budget=budget)
 
 
 async def accept_channel(
@@ -232,12 +396,14 @@ async def accept_channel(
     context: str = DEFAULT_CONTEXT,
     max_frame: int = DEFAULT_MAX_FRAME,
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    deadlines: FrameDeadlines = DEFAULT_DEADLINES,
+    budget: MemoryBudget | None = None,
 ) -> AuthenticatedChannel:
     """Run the listener's side on an accepted connection; the channel's ``remote`` is the dialer's address."""
     keys = await _run_handshake(
         stream, _new_handshake(Role.LISTENER, wallet, context, expected_peer), handshake_timeout
     )
-    return AuthenticatedChannel(stream, keys, max_frame=max_frame)
+    return AuthenticatedChannel(stream, keys, max_frame=max_frame, deadlines=deadlines, budget=budget)
 
 
 ChannelHandler = Callable[[AuthenticatedChannel], Awaitable[None]]
@@ -252,18 +418,28 @@ async def serve_channels(
     context: str = DEFAULT_CONTEXT,
     max_frame: int = DEFAULT_MAX_FRAME,
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    deadlines: FrameDeadlines = DEFAULT_DEADLINES,
+    budget: MemoryBudget | None = None,
     transport: StreamTransport = TCP,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept channels until cancelled; ``handler`` owns each authenticated channel. Reports the port.
 
-    A failed handshake or a ChannelError out of ``handler`` ends that connection only (logged).
+    A failed handshake or a ChannelError out of ``handler`` ends that connection only (logged). All the
+    channels share ``budget`` (None: a new default-sized one).
     """
+    shared = budget or MemoryBudget()
 
     async def on_connection(stream: trio.abc.Stream) -> None:
         try:
             channel = await accept_channel(
-                stream, wallet, context=context, max_frame=max_frame, handshake_timeout=handshake_timeout
+                stream,
+                wallet,
+                context=context,
+                max_frame=max_frame,
+                handshake_timeout=handshake_timeout,
+                deadlines=deadlines,
+                budget=shared,
             )
         except ChannelError:
             return  # already logged and closed

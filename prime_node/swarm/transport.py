@@ -4,7 +4,10 @@ bounded set of neighbours, one channel per peer pair, each with a bounded send q
 The swarm above it sees only peers (wallet addresses) and frames: ``on_up(peer)``, ``on_frame(peer,
 bytes)``, ``on_down(peer)``, and ``send(peer, frame)`` which never blocks (CheckpointTransfer's callbacks
 are synchronous). A frame that would overflow a peer's queue closes that peer: a neighbour that cannot keep
-up is worth less than the memory it would pin.
+up is worth less than the memory it would pin. Every queued byte and every byte of a frame being received
+is also reserved from one ``MemoryBudget`` shared by all channels (prime_node/dataplane/budget.py): when
+it is spent, the channel holding the most is closed, so N peers that never read pin the budget, not N
+queues. A peer that stops reading is closed by the channel's frame deadlines as well.
 
 If two peers dial each other at once, both channels complete; both ends keep the one dialed by the
 smaller address and close the other, so exactly one survives without any negotiation.
@@ -24,7 +27,9 @@ from typing import Any
 import trio
 
 from crypto.keys import Address, WalletKey
+from prime_node.dataplane.budget import MemoryBudget
 from prime_node.dataplane.channel import (
+    DEFAULT_DEADLINES,
     AuthenticatedChannel,
     ChannelError,
     accept_channel,
@@ -32,17 +37,20 @@ from prime_node.dataplane.channel import (
     open_listeners,
 )
 from prime_node.dataplane.streams import TCP, StreamTransport
+from protocol.dataplane import FrameDeadlines
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_BYTES = 96 << 20
+MAX_QUEUED_BYTES = 64 << 20
+"""Per channel: four of the largest pieces. Honest peers ask for one piece at a time per version."""
 MAX_QUEUED_FRAMES = 4096
 DEFAULT_MAX_INBOUND = 32
 
 
 @dataclass
 class Link:
-    """One live channel to ``peer`` and its outgoing queue."""
+    """One live channel to ``peer`` and its outgoing queue; ``queued_bytes`` (the queue and the frame
+    being sent) are reserved from the plane's budget through the channel's account."""
 
     peer: Address
     channel: AuthenticatedChannel
@@ -55,7 +63,9 @@ class Link:
 
 
 class DataPlane:
-    """Channels to neighbours (see the module doc). ``run`` listens; ``dial`` opens one more."""
+    """Channels to neighbours (see the module doc). ``run`` listens; ``dial`` opens one more.
+    ``budget`` bounds the memory of all its channels together; ``deadlines`` bound how long a frame may
+    stall in either direction."""
 
     def __init__(
         self,
@@ -66,6 +76,8 @@ class DataPlane:
         on_down: Callable[[Address], None],
         max_inbound: int = DEFAULT_MAX_INBOUND,
         transport: StreamTransport = TCP,
+        budget: MemoryBudget | None = None,
+        deadlines: FrameDeadlines = DEFAULT_DEADLINES,
     ) -> None:
         self.key = key
         self.transport = transport
@@ -73,6 +85,8 @@ class DataPlane:
         self.on_frame = on_frame
         self.on_down = on_down
         self.max_inbound = max_inbound
+        self.budget = budget or MemoryBudget()
+        self.deadlines = deadlines
         self.links: dict[Address, Link] = {}
         self.banned: set[Address] = set()
         self.dialing: set[Address] = set()
@@ -109,6 +123,9 @@ class DataPlane:
             log.warning("closing %s: its send queue is full (%d bytes)", peer, link.queued_bytes)
             self.close(peer)
             return
+        if not link.channel.account.reserve(len(frame)):
+            self.close(peer)  # the budget is spent and this channel holds the most (logged there)
+            return
         link.queue.append(frame)
         link.queued_bytes += len(frame)
         link.wake.set()
@@ -128,7 +145,15 @@ class DataPlane:
 
     async def _dial(self, peer: Address, host: str, port: int) -> None:
         try:
-            channel = await open_channel(host, port, self.key, expected_peer=peer, transport=self.transport)
+            channel = await open_channel(
+                host,
+                port,
+                self.key,
+                expected_peer=peer,
+                transport=self.transport,
+                deadlines=self.deadlines,
+                budget=self.budget,
+            )
         except ChannelError as exc:
             log.info("data plane: cannot open a channel to %s at %s:%d: %s", peer, host, port, exc)
             return
@@ -145,7 +170,7 @@ class DataPlane:
         self.inbound += 1
         try:
             try:
-                channel = await accept_channel(stream, self.key)
+                channel = await accept_channel(stream, self.key, deadlines=self.deadlines, budget=self.budget)
             except ChannelError:
                 return
             await self._serve(channel, dialer=channel.remote)
@@ -186,6 +211,9 @@ class DataPlane:
                 return None  # keep the channel we have
             self._drop(existing)
         link = Link(peer, channel, dialer)
+        channel.on_evict = lambda: self._drop(
+            link
+        )  # evicted by the budget (logged there): free the queue now
         self.links[peer] = link
         self.on_up(peer)
         return link
@@ -196,6 +224,9 @@ class DataPlane:
         link.alive = False
         link.scope.cancel()
         link.wake.set()
+        link.queue.clear()
+        link.channel.account.release(link.queued_bytes)  # the frame being sent, if any, is cancelled too
+        link.queued_bytes = 0
         if self.links.get(link.peer) is link:
             del self.links[link.peer]
             self.on_down(link.peer)
@@ -207,10 +238,14 @@ class DataPlane:
                     link.wake = trio.Event()
                     await link.wake.wait()
                     continue
-                frame = link.queue.popleft()
-                link.queued_bytes -= len(frame)
+                frame = link.queue[0]  # stays queued (and reserved) until it is sent
                 await link.channel.send_frame(frame)
                 self.bytes_out += len(frame)
+                if not link.alive:  # dropped meanwhile: the queue is already cleared and released
+                    break
+                link.queue.popleft()
+                link.queued_bytes -= len(frame)
+                link.channel.account.release(len(frame))
         except ChannelError as exc:
             log.info("data plane: sending to %s failed: %s", link.peer, exc)
         self._drop(link)
