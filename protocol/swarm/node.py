@@ -27,8 +27,8 @@ That economy relies on peers re-serving what they got; a peer that takes reveals
 them, or downloads pieces and serves nobody, would keep a piece from everyone else for as long as it
 stays. So ``tick`` checks deadlines: a revealed piece not requested within the *spread deadline* (since
 its reveal or the peer's last request to us), or a piece uploaded in the first pass that no other peer
-announces within twice that, is *opened*: announced to every peer that lacks it and served to anyone,
-ordinary seeding for that piece. The deadline adapts to the swarm: ``spread_factor`` times the moving
+announces within twice that while its holder has made no piece spread (or is hoarding), is *opened*:
+announced to every peer that lacks it and served to anyone, ordinary seeding for that piece. The deadline adapts to the swarm: ``spread_factor`` times the moving
 average of one hop (our upload to the receiver's ``have``), between ``spread_floor`` and
 ``spread_timeout``. Each missed deadline is a strike against the peer; a peer with more strikes than
 pieces it made spread gets one reveal at a time instead of ``reveal_per_peer``, and its upload requests
@@ -451,6 +451,11 @@ class SwarmNode:
                     stuck.append(index)
         for index, (holder, sent_at) in list(self.unspread.items()):
             if now - sent_at < 2 * deadline:
+                continue
+            keeper = self.peers[holder]
+            if keeper.spread and not keeper.hoarding:
+                # It re-serves what it gets: this piece is only not requested yet (peers fetch other
+                # pieces first). Opening it would make us upload it again on the binding link.
                 continue
             lacking = [s for p, s in self.peers.items() if p != holder and not (s.bits | s.sent) >> index & 1]
             if not lacking:
