@@ -102,6 +102,7 @@ class Node:
         self.bootstrapped = trio.Event()
         self._latency_ms: dict[str, int] = {}
         self._dialing: set[str] = set()
+        self._known: set[str] = set()  # peers vouched for at the connection gate (``_update_known_peers``)
         self._host: P2PHost | None = None
         self._clock: NodeClock | None = None
         self._policy: PeerPolicy | None = None
@@ -330,6 +331,22 @@ class Node:
             for peer_id in self.host.connected_peers():
                 if self.policy.is_banned(peer_id):
                     await self.host.disconnect(peer_id)
+            self._update_known_peers()
+
+    def _update_known_peers(self) -> None:
+        """Vouch at the connection gate for the peers that earned it — healthy members past probation —
+        so a flood of strangers cannot take their slots; a peer that falls back (banned, unhealthy, gone)
+        loses it."""
+        earned = {
+            peer_id
+            for peer_id in self.peers_in(PeerState.HEALTHY)
+            if not self.policy.is_banned(peer_id) and not self.policy.on_probation(peer_id)
+        }
+        for peer_id in earned - self._known:
+            self.host.mark_known(peer_id)
+        for peer_id in self._known - earned:
+            self.host.mark_known(peer_id, known=False)
+        self._known = earned
 
     def _log_changes(self, changes: list[StateChanged]) -> None:
         for change in changes:

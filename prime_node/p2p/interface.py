@@ -150,5 +150,9 @@ class P2PHost(Protocol):
 
     def routing_table_size(self) -> int: ...
 
+    def mark_known(self, peer_id: str, *, known: bool = True) -> None:
+        """Vouch for a peer (or stop): a known peer keeps its connection slots when strangers flood us."""
+        ...
+
 
 HostFactory = Callable[[], AbstractAsyncContextManager[P2PHost]]

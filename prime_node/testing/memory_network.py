@@ -100,6 +100,8 @@ class MemoryHost:
         self._peer_id = peer_id
         self._nursery = nursery
         self.connections: set[str] = set()
+        self.known: set[str] = set()
+        """Peers the node vouches for (the in-memory network has no connection limits to exempt them from)."""
         self._handlers: dict[str, StreamHandler] = {}
         self._topics: dict[str, GossipHandler] = {}
         self._seen: set[int] = set()
@@ -137,6 +139,12 @@ class MemoryHost:
 
     def connected_peers(self) -> list[str]:
         return sorted(self.connections)
+
+    def mark_known(self, peer_id: str, *, known: bool = True) -> None:
+        if known:
+            self.known.add(peer_id)
+        else:
+            self.known.discard(peer_id)
 
     def set_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
         self._handlers[protocol_id] = handler

@@ -23,17 +23,17 @@ from it and that is revealed to no one else; requests for pieces not revealed ar
 uploads every piece once before it uploads any piece twice, and the swarm holds a full copy after one
 origin upload of F bytes. After that first pass it reveals the least-served pieces first.
 
-That economy relies on peers re-serving what they got; a peer that takes reveals and never requests
-them, or downloads pieces and serves nobody, would keep a piece from everyone else for as long as it
-stays. So ``tick`` checks deadlines: a revealed piece not requested within the *spread deadline* (since
-its reveal or the peer's last request to us), or a piece uploaded in the first pass that no other peer
-announces within twice that while its holder has made no piece spread (or is hoarding), is *opened*:
-announced to every peer that lacks it and served to anyone, ordinary seeding for that piece. The deadline adapts to the swarm: ``spread_factor`` times the moving
-average of one hop (our upload to the receiver's ``have``), between ``spread_floor`` and
-``spread_timeout``. Each missed deadline is a strike against the peer; a peer with more strikes than
-pieces it made spread gets one reveal at a time instead of ``reveal_per_peer``, and its upload requests
-are served after everyone else's (a peer's progress counts the pieces we sent it, not only those it
-admits to holding).
+That economy relies on peers re-serving what they got; a peer that takes reveals and never requests them,
+or downloads pieces and serves nobody, would keep a piece from everyone else for as long as it stays. So
+``tick`` checks deadlines: a revealed piece not requested within the *spread deadline* (since its reveal
+or the peer's last request to us), or a piece uploaded in the first pass that no other peer announces
+within twice that while its holder has made no piece spread (or is hoarding), is *opened*: announced to
+every peer that lacks it and served to anyone, ordinary seeding for that piece. The deadline adapts to
+the swarm: ``spread_factor`` times the moving average of one hop (our upload to the receiver's ``have``),
+between ``spread_floor`` and ``spread_timeout``. Each missed deadline is a strike against the peer; a
+peer with more strikes than pieces it made spread gets one reveal at a time instead of
+``reveal_per_peer``, and its upload requests are served after everyone else's (a peer's progress counts
+the pieces we sent it, not only those it admits to holding).
 """
 
 from __future__ import annotations
