@@ -20,7 +20,7 @@ sampling replay can catch it.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,35 @@ EXPECTED_REASONS: dict[str, frozenset[Reason]] = {
     "inflated_reward": frozenset({Reason.SAMPLING_MISMATCH}),
     "bad_signature": frozenset({Reason.BAD_SIGNATURE, Reason.SIGNER_MISMATCH}),
 }
+
+
+def with_completions(
+    engine: Any, samples: Sequence[RolloutSample], completions: list[list[int]], temperature: float
+) -> list[RolloutSample]:
+    """``samples`` with their completions replaced by ``completions`` (finished), and the log-probs and
+    TOPLOC proofs recomputed on ``engine`` to match: a forgery every check but the replay and the reward
+    accepts."""
+    import torch
+
+    from prime_node.ml.sampling import token_logprobs
+    from prime_node.verification.proofs import build_proofs
+
+    prompts = [list(sample.prompt_tokens()) for sample in samples]
+    prefills = engine.prefill(prompts, completions)
+    proofs = build_proofs([prefill.hidden for prefill in prefills])
+    forged = []
+    for sample, tokens, prefill, proof in zip(samples, completions, prefills, proofs, strict=True):
+        logps = token_logprobs(prefill.logits, torch.as_tensor(tokens), temperature).tolist()
+        forged.append(
+            replace(
+                sample,
+                completion=pack_tokens(tokens),
+                logprobs=pack_logprobs([min(v, 0.0) for v in logps]),
+                finished=True,
+                proof=proof,
+            )
+        )
+    return forged
 
 
 @dataclass
@@ -193,34 +222,16 @@ class Scenario:
 
     def _inflated_reward(self, counter: int) -> list[bytes]:
         """Correct answers written in, with log-probs and TOPLOC proofs recomputed to match them."""
-        import torch
-
         from prime_node.ml.evaluation import encode_prompt
-        from prime_node.ml.sampling import token_logprobs
-        from prime_node.verification.proofs import build_proofs
 
         batch = self.batch(counter)
         eos = self.tokenizer.eos_token_id
         limit = self.config.max_new_tokens
-        answers = []
-        for sample in batch.samples:
-            answer = [*encode_prompt(self.tokenizer, self.task.answer(sample.task_id))[: limit - 1], eos]
-            answers.append(answer)
-        prompts = [list(s.prompt_tokens()) for s in batch.samples]
-        prefills = self.engine.prefill(prompts, answers)
-        proofs = build_proofs([p.hidden for p in prefills])
-        samples = []
-        for sample, answer, prefill, proof in zip(batch.samples, answers, prefills, proofs, strict=True):
-            logps = token_logprobs(prefill.logits, torch.as_tensor(answer), batch.temperature).tolist()
-            samples.append(
-                replace(
-                    sample,
-                    completion=pack_tokens(answer),
-                    logprobs=pack_logprobs([min(v, 0.0) for v in logps]),
-                    finished=True,
-                    proof=proof,
-                )
-            )
+        answers = [
+            [*encode_prompt(self.tokenizer, self.task.answer(sample.task_id))[: limit - 1], eos]
+            for sample in batch.samples
+        ]
+        samples = with_completions(self.engine, batch.samples, answers, batch.temperature)
         return [self.seal(replace(batch, samples=tuple(samples)))]
 
     def _bad_signature(self, counter: int) -> list[bytes]:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from crypto.digests import blake3
 from prime_node.tasks.code import CodeTask
-from prime_node.verification.cheating import Scenario
+from prime_node.verification.cheating import Scenario, with_completions
 from prime_node.verification.validator import BatchValidator
-from protocol.rollouts import RolloutBatch, pack_logprobs, pack_tokens
+from protocol.rollouts import RolloutBatch
 
 PROBLEMS = 10  # train ids 0..8 (every 10th is held out): enough distinct tasks for 4 groups
 GROUPS, GROUP_SIZE, MAX_NEW_TOKENS = 4, 2, 96
@@ -109,11 +109,7 @@ def code_run(tmp_path: Path, markers: Path, **run: object) -> CodeRun:
 def with_hostile_group(run: CodeRun, batch: RolloutBatch, group: int) -> RolloutBatch:
     """``batch`` with group ``group`` replaced: one program that passes the tests and one that fails them,
     both writing a marker file first (so the group is informative: GRPO would train on it)."""
-    import torch
-
     from prime_node.ml.evaluation import encode_prompt
-    from prime_node.ml.sampling import token_logprobs
-    from prime_node.verification.proofs import build_proofs
 
     scenario = run.scenario
     tokenizer = scenario.tokenizer
@@ -125,20 +121,7 @@ def with_hostile_group(run: CodeRun, batch: RolloutBatch, group: int) -> Rollout
     completions = [[*encode_prompt(tokenizer, text), eos] for text in texts]
     assert all(len(c) <= scenario.config.max_new_tokens for c in completions)
     originals = batch.group(group)
-    prefills = scenario.engine.prefill([list(s.prompt_tokens()) for s in originals], completions)
-    proofs = build_proofs([p.hidden for p in prefills])
-    replaced = []
-    for sample, tokens, prefill, proof in zip(originals, completions, prefills, proofs, strict=True):
-        logps = token_logprobs(prefill.logits, torch.as_tensor(tokens), batch.temperature).tolist()
-        replaced.append(
-            replace(
-                sample,
-                completion=pack_tokens(tokens),
-                logprobs=pack_logprobs([min(v, 0.0) for v in logps]),
-                finished=True,
-                proof=proof,
-            )
-        )
+    replaced = with_completions(scenario.engine, originals, completions, batch.temperature)
     run.hostile = [text.split("\n")[0] for text in texts]
     samples = list(batch.samples)
     samples[group * batch.group_size : (group + 1) * batch.group_size] = replaced
