@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         dist = init_from_env()
         try:
             result = run_local(config, dist=dist)
-        finally:
-            shutdown()
+        except BaseException:
+            shutdown(together=False)
+            raise
+        shutdown()
     except NodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -49,4 +51,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from prime_node.ml.distributed import exit_process
+
+    exit_process(main())

@@ -78,8 +78,35 @@ def init_from_env() -> DistInfo:
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
 
 
-def shutdown() -> None:
+def shutdown(*, together: bool = True) -> None:
+    """Leave the process group (after a barrier when ``together``: every rank finished normally) and
+    tear it down while the interpreter is fully alive. A rank that failed passes ``together=False``:
+    its peers may never reach the barrier; torchrun stops them when it exits.
+
+    gloo's worker threads drop their references to finished collectives (tensors owned by Python)
+    asynchronously; if that happens during interpreter finalization the thread cannot take the GIL and
+    the process dies with SIGABRT ("terminate called without an active exception", torch issue
+    #190489). Callers that exit right after should use ``exit_process``.
+    """
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if together:
+            dist.barrier()  # no rank tears down while another still talks to it
         dist.destroy_process_group()
+        gc.collect()
+
+
+def exit_process(code: int) -> None:
+    """Flush everything and leave without interpreter finalization (see ``shutdown``): a torchrun
+    worker's exit status must say whether training succeeded, not whether a torch thread lost a race."""
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -79,8 +79,15 @@ def save_model_dir(model: Any, tokenizer: Any, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-def load_model(model_dir: Path, *, device: str = "cpu") -> Any:
-    """Load a causal LM from a local HF directory in float32, refusing pickle weight files."""
+DTYPES = ("float32", "bfloat16")
+"""The dtypes a model is loaded in for inference or training (``--dtype``)."""
+
+
+def load_model(model_dir: Path, *, device: str = "cpu", dtype: str = "float32") -> Any:
+    """Load a causal LM from a local HF directory in ``dtype`` (one of DTYPES), refusing pickle
+    weight files."""
+    if dtype not in DTYPES:
+        raise NodeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}", reason="bad_config")
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -89,7 +96,7 @@ def load_model(model_dir: Path, *, device: str = "cpu") -> Any:
     try:
         with _LOAD_LOCK:  # from_pretrained swaps process-wide init state (meta device): one at a time
             model: Any = AutoModelForCausalLM.from_pretrained(  # type: ignore[arg-type, unused-ignore]
-                str(model_dir), local_files_only=True, use_safetensors=True, dtype="float32"
+                str(model_dir), local_files_only=True, use_safetensors=True, dtype=dtype
             )
     except (OSError, ValueError, KeyError) as exc:
         raise NodeError(f"cannot load a model from {model_dir}: {exc}", reason="bad_model_dir") from exc
