@@ -53,6 +53,7 @@ def test_wheel_holds_only_our_packages(wheel: Path) -> None:
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"crypto", "protocol", "prime_node"}
     assert "prime_node/py.typed" in names
     assert "prime_node/assets/tiny_arithmetic/model.safetensors" in names  # package data: the demo model
+    assert "prime_node/assets/tokenizer_corpus/code.txt" in names  # the BPE tokenizer's training text
     assert not any(name.startswith(("tests/", "benchmarks/", "examples/")) for name in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "prime-node = prime_node.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

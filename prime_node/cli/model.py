@@ -1,4 +1,5 @@
-"""``prime-node init-model`` (create a tiny model directory) and ``prime-node filter-tasks``."""
+"""``prime-node init-model`` (create a model directory: the demo's tiny character model or a named
+architecture and size) and ``prime-node filter-tasks``."""
 
 from __future__ import annotations
 
@@ -24,8 +25,19 @@ def init_model(
         Path, typer.Argument(help="Directory to write (config, tokenizer, model.safetensors).")
     ],
     tiny: Annotated[
-        bool, typer.Option("--tiny", help="Create a tiny Qwen2-style model (the only kind built here).")
+        bool, typer.Option("--tiny", help="Create the demo's tiny character-level Qwen2-style model.")
     ] = False,
+    arch: Annotated[
+        str | None,
+        typer.Option(
+            "--arch",
+            help="Create a model of this architecture (qwen3) with a byte-level BPE tokenizer and a chat "
+            "template, randomly initialised.",
+        ),
+    ] = None,
+    size: Annotated[
+        str, typer.Option("--size", help="With --arch: tiny (~0.26M parameters) or small (~16M).")
+    ] = "tiny",
     task: Annotated[
         str, typer.Option("--task", help="Task of the supervised warm-up: arithmetic.")
     ] = "arithmetic",
@@ -44,19 +56,26 @@ def init_model(
     force: Annotated[bool, typer.Option("--force", help="Write into a non-empty directory.")] = False,
     as_json: JsonOption = False,
 ) -> None:
-    """Write a tiny causal LM as a Hugging Face model directory, warmed up on the task unless told not to."""
-    if not tiny:
+    """Write a causal LM as a Hugging Face model directory: with --tiny the demo's character model, warmed
+    up on the task unless told not to; with --arch a named architecture and size."""
+    if tiny == (arch is not None):
         raise NodeError(
-            "only --tiny models can be created; point the run config at any HF model directory",
+            "pass either --tiny or --arch qwen3 --size tiny|small; or point the run config at any HF "
+            "model directory",
             reason="bad_flag",
         )
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise NodeError(f"{out_dir} is not empty (use --force to write into it)", reason="exists")
+    if arch is not None:
+        if from_package:
+            raise NodeError("--from-package is the demo's --tiny model, not an --arch", reason="bad_flag")
+        _init_named_model(arch, size, seed, out_dir, as_json)
+        return
     if task != "arithmetic" and not no_warmup:
         raise NodeError(
             f"no supervised warm-up for task {task!r}: only arithmetic has one (use --no-warmup)",
             reason="bad_flag",
         )
-    if out_dir.exists() and any(out_dir.iterdir()) and not force:
-        raise NodeError(f"{out_dir} is not empty (use --force to write into it)", reason="exists")
     if from_package:
         if no_warmup or task != "arithmetic" or digits != 2:
             raise NodeError(
@@ -80,6 +99,24 @@ def init_model(
         result = supervised_warmup(model, tokenizer, ArithmeticTask(digits), seed=seed)
         summary.update(warmup_steps=result.steps, warmup_probe_accuracy=result.probe_accuracy)
     save_model_dir(model, tokenizer, out_dir)
+    _echo_summary(summary, as_json)
+
+
+def _init_named_model(arch: str, size: str, seed: int, out_dir: Path, as_json: bool) -> None:
+    from prime_node.ml.architectures import create_model, model_shape
+    from prime_node.ml.model import parameter_count, save_model_dir
+
+    model_shape(arch, size)  # a clear error before anything is built
+    model, tokenizer = create_model(arch, size, seed)
+    save_model_dir(model, tokenizer, out_dir)
+    summary = {
+        "model_dir": str(out_dir),
+        "arch": arch,
+        "size": size,
+        "parameters": parameter_count(model),
+        "vocab_size": len(tokenizer),
+        "tied_head": bool(model.config.tie_word_embeddings),
+    }
     _echo_summary(summary, as_json)
 
 

@@ -40,11 +40,16 @@ class TaskConfig(_Strict):
     """Code: wall-clock limit of one test run; a timeout scores 0."""
     code_memory_mb: int = Field(512, ge=64, le=65536)
     """Code: address-space limit of one test run, in MiB."""
+    chat: bool = False
+    """Math: pose each question as a user turn through the model's chat template, asking for a
+    \\boxed{} answer (the model directory's tokenizer must have a chat template)."""
 
     @model_validator(mode="after")
     def _needs_path(self) -> TaskConfig:
         if self.kind != "arithmetic" and self.path is None:
             raise ValueError(f"task kind {self.kind!r} needs a path to its task file")
+        if self.chat and self.kind != "math":
+            raise ValueError("task.chat is supported by the math task only")
         return self
 
 

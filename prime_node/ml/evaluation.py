@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from prime_node.errors import NodeError
 from prime_node.ml.engine import SamplingParams, TorchEngine
 from prime_node.tasks.base import TaskSource
+from prime_node.tasks.chat import ChatPrompt
 
 
 def completion_text(tokenizer: Any, tokens: Sequence[int], eos_token_id: int) -> str:
@@ -17,7 +19,21 @@ def completion_text(tokenizer: Any, tokens: Sequence[int], eos_token_id: int) ->
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    """Prompt token ids. Every role encodes through here, so trainer, inferer and validator agree: a
+    ``ChatPrompt`` becomes a user turn in the tokenizer's chat template with the assistant turn opened
+    (completions then end at its end-of-turn EOS); any other text is encoded as is."""
+    if not isinstance(text, ChatPrompt):
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    if not getattr(tokenizer, "chat_template", None):
+        raise NodeError(
+            "the task is posed through a chat template (task.chat = true) but the model's tokenizer has "
+            "none: use a model with one (init-model --arch qwen3) or set task.chat = false",
+            reason="bad_config",
+        )
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": str(text)}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def greedy_accuracy(

@@ -1,4 +1,4 @@
-"""Tiny Qwen2-style causal LMs built from a config, and loading any model from a local HF directory.
+"""Tiny Qwen2-style character models built from a config, and loading any model from a local HF directory.
 
 A model directory is the Hugging Face layout (config.json, generation_config.json, tokenizer.json,
 model.safetensors): what ``init-model --tiny`` writes is loaded by exactly the code that would load a
@@ -76,7 +76,8 @@ def save_model_dir(model: Any, tokenizer: Any, out_dir: Path) -> None:
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    tokenizer.save_pretrained(str(out_dir))
+    # A chat template goes into tokenizer_config.json (not chat_template.jinja): one file says it all.
+    tokenizer.save_pretrained(str(out_dir), save_jinja_files=False)
 
 
 DTYPES = ("float32", "bfloat16")

@@ -14,6 +14,6 @@ def build_task(config: TaskConfig) -> TaskSource:
         return ArithmeticTask(config.digits, config.reverse_answer)
     assert config.path is not None  # enforced by TaskConfig
     if config.kind == "math":
-        return MathTask.from_file(config.path)
+        return MathTask.from_file(config.path, chat=config.chat)
 
     return CodeTask.from_file(config.path, timeout_s=config.code_timeout_s, memory_mb=config.code_memory_mb)

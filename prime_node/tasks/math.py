@@ -7,6 +7,9 @@ full solution is reduced to its last boxed answer). Normalisation strips spacing
 turns ``\\dfrac``/``\\tfrac`` into ``\\frac``; two answers that both parse as rational numbers (integers,
 decimals, ``a/b``, ``\\frac{a}{b}``) are compared by value. Ids are record positions; every 10th is held
 out for evaluation.
+
+With ``chat`` (a run's ``task.chat = true``) each question is posed as a user turn through the model's
+chat template, followed by ``BOXED_INSTRUCTION``; scoring is the same.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from prime_node.tasks.base import ListedProblems
+from prime_node.tasks.chat import ChatPrompt
 from prime_node.tasks.records import read_records, require_text
 
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
@@ -25,6 +29,7 @@ _SIMPLE_FRAC = re.compile(r"^(-?\d+)/(-?\d+)$")
 _NUMBER = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)$")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 MAX_ANSWER_CHARS = 1000
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def last_boxed(text: str) -> str | None:
@@ -85,18 +90,25 @@ def answers_match(given: str, reference: str) -> bool:
 
 
 class MathTask(ListedProblems):
-    def __init__(self, problems: Sequence[tuple[str, str]], name: str = "math") -> None:
+    def __init__(
+        self, problems: Sequence[tuple[str, str]], name: str = "math", *, chat: bool = False
+    ) -> None:
         super().__init__(problems, name=name, kind="math")
+        self.chat = chat
+
+    def prompt(self, task_id: int) -> str:
+        question = self._get(task_id)[0]
+        return ChatPrompt(f"{question}\n{BOXED_INSTRUCTION}") if self.chat else question
 
     @classmethod
-    def from_file(cls, path: Path) -> MathTask:
+    def from_file(cls, path: Path, *, chat: bool = False) -> MathTask:
         problems = []
         for number, record in enumerate(read_records(path), start=1):
             where = f"{path} record {number}"
             question = require_text(record, ("question", "problem", "prompt"), where)
             answer = require_text(record, ("answer", "solution"), where)
             problems.append((question, last_boxed(answer) or answer))
-        return cls(problems, name=f"math:{path.name}")
+        return cls(problems, name=f"math:{path.name}", chat=chat)
 
     def answer(self, task_id: int) -> str:
         return self._get(task_id)[1]
