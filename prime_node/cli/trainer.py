@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,7 +42,8 @@ def run_trainer(
 
     Without --local this is the networked trainer node: it must hold the run's trainer key, shares each
     policy through the weight swarm, gossips the signed run config, and trains only on batches its
-    trusted validators accepted. Networking flags are those of `join`."""
+    trusted validators accepted. Networking flags are those of `join`. With --nproc N either way runs
+    under torchrun; networked, rank 0 is the node and the other ranks only train."""
     from prime_node.config import load_run_config
 
     overrides: dict[str, object] = {}
@@ -57,30 +55,15 @@ def run_trainer(
         overrides["max_steps"] = max_steps
     run = load_run_config(config, overrides=overrides)  # fail fast, before spawning anything
     if not local:
-        if nproc > 1:
-            raise NodeError(
-                "--nproc needs --local (the networked trainer is one process)", reason="bad_config"
-            )
-        _networked(run, node, exit_when_done=exit_when_done)
+        _networked(run, node, exit_when_done=exit_when_done, nproc=nproc)
         return
     args = ["--config", str(config)] + [
         arg for key, value in overrides.items() for arg in (f"--{key.replace('_', '-')}", str(value))
     ]
     if nproc > 1:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "prime_node.ml.dist_entry",
-            *args,
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        code = subprocess.call(command, env=env)
-        if code != 0:
-            raise NodeError(f"torchrun exited with status {code}", reason="trainer_failed")
+        from prime_node.roles.trainer_ranks import run_torchrun
+
+        run_torchrun("prime_node.ml.dist_entry", args, nproc)
         return
     from prime_node.ml.local_run import run_local
 
@@ -102,10 +85,11 @@ def run_trainer(
         typer.echo(json.dumps({"eval_step": point.step, "heldout_greedy_accuracy": point.accuracy}))
 
 
-def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool) -> None:
-    """The networked trainer node (prime_node/roles/trainer_node.py)."""
+def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int) -> None:
+    """The networked trainer node (prime_node/roles/trainer_node.py); with ``nproc`` > 1 its rank 0,
+    under torchrun (prime_node/roles/trainer_ranks.py). Everything that can fail is checked first."""
     from prime_node.cli.network_options import dataplane_host_for
-    from prime_node.roles.trainer_node import build_trainer_node, run_trainer_node
+    from prime_node.roles.trainer_node import build_trainer_node, run_trainer_node, step_line
 
     node_config = flags.config(run.run_id)
     try:
@@ -118,27 +102,22 @@ def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool) -> None:
             "network or key, pass --local)",
             reason=exc.reason,
         ) from None
-
-    def on_step(m: Any) -> None:
-        typer.echo(
-            json.dumps(
-                {
-                    "step": m.step,
-                    "policy_step": m.policy_step,
-                    "reward": round(m.reward_mean, 4),
-                    "groups_kept": m.groups_kept,
-                    "loss": round(m.loss, 5),
-                    "grad_norm": round(m.grad_norm, 4),
-                }
-            )
-        )
-
-    parts = build_trainer_node(
+    dataplane_host = dataplane_host_for(node_config.listen)
+    parts = build_trainer_node(  # every check of the one-process node, before anything starts
         node_config,
         run,
         key,
-        dataplane_host=dataplane_host_for(node_config.listen),
+        dataplane_host=dataplane_host,
         dataplane_port=flags.dataplane_port,
-        on_step=on_step,
+        on_step=lambda metrics: typer.echo(step_line(metrics)),
     )
+    if nproc > 1:
+        from prime_node.roles.trainer_ranks import LaunchSpec, launch_networked
+
+        checked = parts.trainer.config  # trainer_address filled in
+        if not checked.model_dir.is_dir():
+            raise NodeError(f"model directory {checked.model_dir} does not exist", reason="bad_model_dir")
+        spec = LaunchSpec(checked, node_config, dataplane_host, flags.dataplane_port, exit_when_done)
+        launch_networked(spec, key, nproc)
+        return
     run_trainer_node(node_config, parts, key, echo=typer.echo, exit_when_done=exit_when_done)

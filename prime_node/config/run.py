@@ -151,6 +151,11 @@ class RunConfig(_Strict):
     """Seed of torch's generator in the trainer (initialisation of anything random)."""
     threads: int = Field(0, ge=0, le=1024)
     """torch intra-op threads per pipeline stage; 0 gives each stage half of this process's cores."""
+    train_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of the FSDP2 trainer (prime_node/ml/fsdp.py): "bfloat16" computes in bf16 and
+    reduces gradients in fp32 over fp32 master weights; "auto" is bfloat16 on CUDA, float32 on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~1/3 more compute)."""
     eval_every: int = Field(0, ge=0)
     """Greedy held-out evaluation every this many steps (0: only at start and end)."""
     eval_tasks: int = Field(200, ge=0)

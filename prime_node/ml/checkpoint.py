@@ -3,7 +3,8 @@
     OUT/checkpoints/step_00000012/
         config.json, generation_config.json, tokenizer.json, tokenizer_config.json   (copied from the base)
         model.safetensors          the policy after 12 optimizer steps (loadable by transformers)
-        optimizer.safetensors      AdamW moments as tensors; hyper-parameters as JSON in its metadata
+        optimizer.safetensors      AdamW moments (only from callers that pass them: the FSDP2
+                                   trainer keeps its sharded moments in OUT/train_state instead)
         trainer_state.json         {"step": 12, ...}
 
 A step directory is built under ``.tmp`` and renamed into place after its files are fsynced, so a kill at
@@ -104,11 +105,12 @@ def write_checkpoint(
     root: Path,
     step: int,
     weights: dict[str, torch.Tensor],
-    optimizer_state: tuple[dict[str, torch.Tensor], dict[str, str]],
+    optimizer_state: tuple[dict[str, torch.Tensor], dict[str, str]] | None,
     base_dir: Path,
     extra: dict[str, Any],
 ) -> Checkpoint:
-    """``save_checkpoint`` from snapshots (weights as ``model_weights`` returns them)."""
+    """``save_checkpoint`` from snapshots (weights as ``model_weights`` returns them). The FSDP2
+    trainer passes no optimizer state: its AdamW shards live in ``sharded_checkpoint.py``'s files."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
@@ -118,8 +120,9 @@ def write_checkpoint(
         if (base_dir / name).is_file():
             shutil.copyfile(base_dir / name, tmp / name)
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tensors, metadata = optimizer_state
-    save_file(tensors, str(tmp / "optimizer.safetensors"), metadata=metadata)
+    if optimizer_state is not None:
+        tensors, metadata = optimizer_state
+        save_file(tensors, str(tmp / "optimizer.safetensors"), metadata=metadata)
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **extra}, sort_keys=True))
     for item in tmp.iterdir():
         fsync_path(item)

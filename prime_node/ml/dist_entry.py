@@ -1,4 +1,5 @@
-"""The per-process entry point torchrun starts for ``run-trainer --nproc N --local``."""
+"""The per-process entry point torchrun starts for ``run-trainer --nproc N --local``: rank 0 runs the
+--local pipeline and drives the training session; ranks > 0 only follow it (``LocalRun.run``)."""
 
 from __future__ import annotations
 

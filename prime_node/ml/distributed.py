@@ -1,18 +1,16 @@
-"""torch.distributed for the trainer: process-group setup under torchrun, and the few collectives used.
-
-Data parallelism by hand (not DDP): every rank holds the same weights and the same admitted batch,
-computes gradients on its strided shard, and gradients are summed with all_reduce. Because the loss is
-normalised by the whole batch's token count, the sum equals the one-process gradient. gloo on CPU,
-NCCL on CUDA.
+"""torch.distributed for the trainer: process-group setup under torchrun (or a 1-rank group in-process),
+and the few collectives the training session uses besides FSDP2's own (``fsdp.py``): rank 0's step
+broadcast and summed metrics. gloo on CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from prime_node.errors import NodeError
 
 
 @dataclass(frozen=True)
@@ -25,14 +23,6 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def all_reduce_gradients(self, model: Any) -> None:
-        import torch.distributed as dist
-
-        for param in model.parameters():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-
     def sum_floats(self, values: dict[str, float]) -> dict[str, float]:
         import torch.distributed as dist
 
@@ -42,11 +32,13 @@ class DistInfo:
         return dict(zip(keys, tensor.tolist(), strict=True))
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0's ``data`` on every rank (others pass None)."""
+        """Rank 0's ``data`` on every rank (others pass None); empty data costs one collective."""
         import torch.distributed as dist
 
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
         dist.broadcast(size, src=0)
+        if int(size.item()) == 0:
+            return b""
         if self.is_main and data is not None:
             buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         else:
@@ -76,6 +68,27 @@ def init_from_env() -> DistInfo:
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+
+
+def ensure_process_group(info: DistInfo, device: str) -> None:
+    """FSDP2 and torch.distributed.checkpoint need a process group even in one process: create a 1-rank
+    one in-process (a HashStore: nothing listens) when there is none. Idempotent, so many sessions in
+    one process (tests) share it; under torchrun ``init_from_env`` has made the real one already."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import HashStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() != info.world_size:
+            raise NodeError(
+                f"a process group of {dist.get_world_size()} ranks exists, the trainer expects "
+                f"{info.world_size}",
+                reason="bad_config",
+            )
+        return
+    if info.world_size != 1:
+        raise NodeError("join the torchrun process group (init_from_env) first", reason="bad_config")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend=backend, store=HashStore(), rank=0, world_size=1)
 
 
 def shutdown(*, together: bool = True) -> None:

@@ -13,8 +13,9 @@ Resume, the step, checkpoints and evaluation are the ``TrainingSession``'s (``se
 the networked trainer: batch k is appended (fsynced) to ``OUT/rollouts.log`` before step k trains on
 it; after step k a checkpoint ``OUT/checkpoints/step_{k+1}`` is written. What is --local's own: a
 restart replays the logged batches after the newest checkpoint before generating new ones, so the
-resumed run ends bit-identical to an uninterrupted one. With torch.distributed, rank 0 generates and
-broadcasts each batch; every rank admits it identically and trains on its shard.
+resumed run ends bit-identical to an uninterrupted one. With torch.distributed, rank 0 generates,
+admits and trains through the session (which hands each step to the other ranks); ranks > 0 only
+``follow`` it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from prime_node.ml.engines import load_engine
 from prime_node.ml.inference_stages import ChildInference, PolicyStore, inference_loop
 from prime_node.ml.session import TrainingSession
 from prime_node.ml.trainer import StepMetrics
-from protocol.codec import decode, encode
+from protocol.codec import encode
 from protocol.rollouts import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -168,55 +169,61 @@ class LocalRun:
         self.result.evals.append(EvalPoint(step, elapsed, accuracy))
         log.info("step %d: held-out greedy accuracy %.3f", step, accuracy)
 
-    def _batch_for(self, k: int) -> tuple[RolloutBatch, bytes | None]:
-        """Batch k: replayed from the log, from the inference stage, or broadcast by rank 0."""
-        batch: RolloutBatch | None = None
-        frame: bytes | None = None
-        if self.dist.is_main:
-            if k in self.replay:
-                batch = self.replay[k]
-                frame = encode(batch)
-            else:
-                waited = time.perf_counter()
-                index, item = self.batches.get()
-                self.result.wait_s += time.perf_counter() - waited
-                if isinstance(item, BaseException):
-                    raise item
-                if index != k:
-                    raise NodeError(
-                        f"inference produced batch {index}, expected {k}", reason="pipeline_order"
-                    )
-                batch, frame = item
-        if self.dist.world_size > 1:
-            frame = self.dist.broadcast_bytes(frame)
-            batch = decode(frame, RolloutBatch)
-        assert batch is not None
+    def _batch_for(self, k: int) -> tuple[RolloutBatch, bytes]:
+        """Batch k: replayed from the log or from the inference stage (rank 0 only)."""
+        if k in self.replay:
+            batch = self.replay[k]
+            return batch, encode(batch)
+        waited = time.perf_counter()
+        index, item = self.batches.get()
+        self.result.wait_s += time.perf_counter() - waited
+        if isinstance(item, BaseException):
+            raise item
+        if index != k:
+            raise NodeError(f"inference produced batch {index}, expected {k}", reason="pipeline_order")
+        batch, frame = item
         return batch, frame
 
     def _step(self, k: int) -> StepMetrics:
         session = self.session
         batch, frame = self._batch_for(k)
         prepared = session.admit(batch)
-        to_log = [frame] if k not in self.replay and frame is not None else []
-        metrics = session.train([prepared], to_log)
+        metrics = session.train([prepared], [] if k in self.replay else [frame])
         self.result.steps.append(metrics)
-        if self.dist.is_main:
-            weights = session.weights(session.step)
-            if self.child is None:
-                self.store.publish(session.step, weights)
-            else:
-                self.child.publish(session.step, weights)
+        weights = session.weights(session.step)
+        if self.child is None:
+            self.store.publish(session.step, weights)
+        else:
+            self.child.publish(session.step, weights)
         return metrics
+
+    def _follow(self, on_step: Callable[[StepMetrics], None] | None) -> LocalRunResult:
+        """Ranks > 0: train on rank 0's batches until it stops the session."""
+        try:
+            self.began = time.perf_counter()
+
+            def done(metrics: StepMetrics) -> None:
+                self.result.step_done_s.append(time.perf_counter() - self.began)
+                if on_step is not None:
+                    on_step(metrics)
+
+            self.result.steps = self.session.follow(done)
+            self.result.train_wall_s = time.perf_counter() - self.began
+        finally:
+            self.session.close()
+        return self.result
 
     def run(
         self, *, on_step: Callable[[StepMetrics], None] | None, stop_after_s: float | None
     ) -> LocalRunResult:
         config = self.config
+        if not self.dist.is_main:
+            return self._follow(on_step)
         inference: threading.Thread | None = None
         try:
             if self.start >= config.max_steps:
                 return self.result
-            inference = self._start_inference() if self.dist.is_main else None
+            inference = self._start_inference()
             self.began = time.perf_counter()
             self._eval(self.start)
             for k in range(self.start, config.max_steps):

@@ -5,12 +5,20 @@ durability, checkpoints and evaluation live in the loop around them. Both the --
 (``local_run.py``) and the networked trainer (``roles/trainer_service.py``) drive a
 ``TrainingSession``, so the two agree by construction on every rule below instead of by review:
 
-- **Open.** Resume from the newest complete checkpoint in ``OUT/checkpoints`` (weights and AdamW
-  state), or start from the base model and write checkpoint 0 first. With torch.distributed every rank
-  looks before rank 0 writes, and only rank 0 writes files (rollout log, checkpoints, metrics).
+- **Open.** Resume from the newest step that has both a complete Hugging Face checkpoint in
+  ``OUT/checkpoints`` (the policy the swarm shares) and sharded training state in ``OUT/train_state``
+  (FSDP2 weights and AdamW moments, ``sharded_checkpoint.py``), or start from the base model and write
+  both for step 0 first. With torch.distributed every rank looks before rank 0 writes, and only rank 0
+  writes the rollout log, Hugging Face checkpoints and metrics (every rank writes its own shards).
 - **Step.** Admitted batches of one policy step are merged into one optimizer batch; their frames are
-  appended to ``OUT/rollouts.log`` and fsynced *before* the step trains on them; after the step the
-  new policy's checkpoint goes to a background writer and one line to ``OUT/metrics.jsonl``.
+  appended to ``OUT/rollouts.log`` and fsynced *before* the step trains on them; after the step every
+  rank saves its shards, the weights gathered on rank 0 go to a background writer as the new policy's
+  Hugging Face checkpoint, and one line goes to ``OUT/metrics.jsonl``.
+- **Ranks.** Under torchrun rank 0 alone admits batches (a reward may come from executing code: no
+  other rank re-scores) and drives the session: ``train`` broadcasts the merged batch
+  (``encode_prepared``, no pickle) and every rank runs the step; ranks > 0 sit in ``follow`` until
+  rank 0's ``close`` broadcasts stop. Every collective happens in the constructor, ``train``,
+  ``follow`` and ``close``; ``weights`` and ``evaluate`` are rank 0's local calls.
 - **Evaluate.** Held-out greedy accuracy on an engine of its own (loaded on first use), so the
   networked trainer can evaluate one policy while it trains the next.
 
@@ -35,11 +43,10 @@ import torch
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.ml.checkpoint import (
+    Checkpoint,
     list_checkpoints,
-    load_optimizer_state,
-    optimizer_snapshot,
     prune_checkpoints,
-    save_checkpoint,
+    step_dir,
     write_checkpoint,
 )
 from prime_node.ml.distributed import DistInfo
@@ -49,8 +56,22 @@ from prime_node.ml.evaluation import greedy_accuracy
 from prime_node.ml.model import load_model
 from prime_node.ml.rollout_batch import with_tied_head
 from prime_node.ml.rollout_log import RolloutLog
+from prime_node.ml.sharded_checkpoint import (
+    ShardedCheckpoint,
+    list_sharded,
+    load_sharded,
+    prune_sharded,
+    save_sharded,
+)
 from prime_node.ml.tokenizer import load_tokenizer
-from prime_node.ml.trainer import GRPOTrainer, Prepared, StepMetrics, prepare
+from prime_node.ml.trainer import (
+    GRPOTrainer,
+    Prepared,
+    StepMetrics,
+    decode_prepared,
+    encode_prepared,
+    prepare,
+)
 from prime_node.tasks.factory import build_task
 from protocol.rollouts import RolloutBatch
 
@@ -77,6 +98,16 @@ def merge_prepared(parts: Sequence[Prepared]) -> Prepared:
     return merged
 
 
+def _resume_point(
+    checkpoints: Sequence[Checkpoint], sharded: Sequence[ShardedCheckpoint]
+) -> ShardedCheckpoint | None:
+    """The newest step with both a Hugging Face checkpoint (the policy the swarm shares) and sharded
+    training state (weights and AdamW moments): a kill may leave either one a step ahead."""
+    shared = {c.step for c in checkpoints}
+    both = [c for c in sharded if c.step in shared]
+    return both[-1] if both else None
+
+
 class CheckpointWriter:
     """Writes step checkpoints from snapshots on a background thread, in order.
 
@@ -94,7 +125,7 @@ class CheckpointWriter:
         on_written: Callable[[int], None] | None = None,
     ) -> None:
         self._on_written = on_written
-        self._jobs: queue.Queue[tuple[int, Any, Any] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[int, Weights] | None] = queue.Queue()
         self._root, self._base, self._keep, self._extra = root, base_dir, keep, extra
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
@@ -104,9 +135,9 @@ class CheckpointWriter:
         # torch's intra-op thread count is per OS thread (OpenMP); copying tensors needs no more than one.
         torch.set_num_threads(1)
         while (job := self._jobs.get()) is not None:
-            step, weights, optimizer_state = job
+            step, weights = job
             try:
-                write_checkpoint(self._root, step, weights, optimizer_state, self._base, self._extra)
+                write_checkpoint(self._root, step, weights, None, self._base, self._extra)
                 if self._on_written is not None:
                     self._on_written(step)
                 prune_checkpoints(self._root, self._keep)
@@ -114,10 +145,10 @@ class CheckpointWriter:
                 self._error = exc
                 return
 
-    def submit(self, step: int, weights: Weights, optimizer: torch.optim.Optimizer) -> None:
+    def submit(self, step: int, weights: Weights) -> None:
         if self._error is not None:
             raise NodeError(f"writing a checkpoint failed: {self._error}", reason="checkpoint_failed")
-        self._jobs.put((step, weights, optimizer_snapshot(optimizer)))
+        self._jobs.put((step, weights))
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -142,12 +173,20 @@ class TrainingSession:
         self.config, self.base, self.device = config, base, device
         self.dist = dist or DistInfo()
         self.checkpoint_root = config.output_dir / "checkpoints"
+        self.state_root = config.output_dir / "train_state"
         found = list_checkpoints(self.checkpoint_root)
+        resume = _resume_point(found, list_sharded(self.state_root))
         if self.dist.world_size > 1:
             self.dist.barrier()  # every rank has looked before rank 0 writes anything
-        self.start_step = found[-1].step if found else 0
-        self.source = found[-1].path if found else base
-        """Where the starting weights came from: the newest checkpoint, or the base model."""
+        if found and resume is None:
+            raise NodeError(
+                f"{self.checkpoint_root} has checkpoints but {self.state_root} no training state for any "
+                "of them (written before sharded checkpoints existed?): start a new output_dir",
+                reason="bad_checkpoint",
+            )
+        self.start_step = resume.step if resume else 0
+        self.source = step_dir(self.checkpoint_root, resume.step) if resume else base
+        """Where the starting weights came from: the resumed step's checkpoint, or the base model."""
         self._oldest_kept = found[0].step if found else 0
         self.model = load_model(self.source, device=device)
         self.tokenizer = load_tokenizer(base)
@@ -160,20 +199,26 @@ class TrainingSession:
             dist=self.dist,
             step=self.start_step,
         )
-        extra = {"run_id": config.run_id}
-        if found:
-            load_optimizer_state(self.trainer.optimizer, self.source / "optimizer.safetensors")
-            log.info("resuming from %s", self.source)
-        elif self.dist.is_main:
-            save_checkpoint(self.checkpoint_root, 0, self.model, self.trainer.optimizer, base, extra)
+        self._extra = {"run_id": config.run_id}
+        if resume is not None:
+            load_sharded(resume, self.trainer.model, self.trainer.optimizer)
+            log.info("resuming from %s and %s", self.source, resume.path)
+        else:
+            self._save_state()
+            if self.dist.is_main:
+                write_checkpoint(self.checkpoint_root, 0, self.weights(0), None, base, self._extra)
         self.rollout_log: RolloutLog | None = None
         self._writer: CheckpointWriter | None = None
         if self.dist.is_main:
             self.rollout_log = RolloutLog(config.output_dir / "rollouts.log")
-            self._writer = CheckpointWriter(self.checkpoint_root, base, config.checkpoints_to_keep, extra)
+            self._writer = CheckpointWriter(
+                self.checkpoint_root, base, config.checkpoints_to_keep, self._extra
+            )
         self.eval_ids = list(self.task.eval_ids())[: config.eval_tasks]
         self._eval_engine: TorchEngine | None = None
         self._eval_tokenizer: Any = None
+        self._in_step = False  # a step's collectives are under way (rank 0 must not send stop then)
+        self._stopped = False
 
     @property
     def step(self) -> int:
@@ -195,21 +240,66 @@ class TrainingSession:
         return prepare(batch, current_step=step, task=self.task, tokenizer=self.tokenizer, config=self.config)
 
     def train(self, prepared: Sequence[Prepared], frames: Sequence[bytes] = ()) -> StepMetrics:
-        """One GRPO step on admitted batches of one policy step.
+        """One GRPO step on admitted batches of one policy step (rank 0 only; the other ranks run
+        the same step inside ``follow``).
 
         ``frames``: the batches' codec frames, appended (fsynced) to the rollout log before the step
-        trains on them; pass none for batches that are already logged (a replay).
+        trains on them; pass none for batches that are already logged (a replay). Rank 0 alone admits
+        (scoring may execute code): the merged batch goes to the other ranks as it is, never re-scored.
         """
+        if not self.dist.is_main:
+            raise RuntimeError("ranks other than 0 train inside follow(), on rank 0's batches")
+        if self._stopped:
+            raise RuntimeError("the session is closed")
         merged = merge_prepared(prepared)
         if self.rollout_log is not None:
             for frame in frames:
                 self.rollout_log.append(self.step, frame)  # durable before any training on it
+        if self.dist.world_size > 1:
+            self._in_step = True  # from here on, the other ranks are inside this step's collectives
+            self.dist.broadcast_bytes(encode_prepared(merged))
+        return self._step(merged)
+
+    def follow(self, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+        """Ranks > 0: train every step rank 0 broadcasts until rank 0's ``close``; the metrics of each."""
+        if self.dist.is_main:
+            raise RuntimeError("rank 0 drives the session with train() and close()")
+        done: list[StepMetrics] = []
+        while message := self.dist.broadcast_bytes(None):
+            metrics = self._step(decode_prepared(message))
+            done.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
+        self._stopped = True
+        return done
+
+    def _step(self, merged: Prepared) -> StepMetrics:
+        """The step every rank runs (its collectives included), then rank 0's files."""
+        self._in_step = True
         metrics = self.trainer.train_step(merged)
+        self._save_state()
+        self._in_step = False
         if self._writer is not None:
-            self._writer.submit(self.step, self.weights(self.step), self.trainer.optimizer)
+            self._writer.submit(self.step, self.weights(self.step))
             with open(self.config.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(asdict(metrics)) + "\n")
         return metrics
+
+    def _save_state(self) -> None:
+        """Collective: the sharded weights and AdamW state of the current step (resume needs them and
+        the step's Hugging Face checkpoint); rank 0 then drops those older than the resume point."""
+        save_sharded(
+            self.state_root,
+            self.step,
+            self.trainer.model,
+            self.trainer.optimizer,
+            meta={"run_id": self.config.run_id},
+        )
+        if self.dist.is_main:
+            sharded = list_sharded(self.state_root)
+            resume = _resume_point(list_checkpoints(self.checkpoint_root), sharded)
+            if resume is not None:
+                prune_sharded(self.state_root, sum(1 for c in sharded if c.step >= resume.step))
 
     def weights(self, step: int) -> Weights:
         """Policy ``step``'s weights (CPU tensors, tied head left out): recent ones from memory, older
@@ -238,7 +328,14 @@ class TrainingSession:
         )
 
     def close(self) -> None:
-        """Wait for the checkpoints submitted so far (NodeError ``checkpoint_failed`` if one failed)."""
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
+        """Rank 0: tell the other ranks to stop following (unless a step broke off midway: they are
+        stuck in its collectives and torchrun ends them), then wait for the checkpoints submitted so
+        far (NodeError ``checkpoint_failed`` if one failed). Idempotent."""
+        try:
+            if self.dist.is_main and self.dist.world_size > 1 and not self._stopped and not self._in_step:
+                self.dist.broadcast_bytes(b"")
+        finally:  # a dead rank must not cost the checkpoints already queued
+            self._stopped = True
+            writer, self._writer = self._writer, None
+            if writer is not None:
+                writer.close()

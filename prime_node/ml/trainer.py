@@ -8,8 +8,9 @@ completion (code tasks), so a networked trainer hands ``prepare`` only the group
 replayed (``AcceptedBatch.batch``, prime_node/verification/admission_service.py).
 
 The optimizer step (``train_step``) computes the GRPO loss over micro-batches normalised by the
-batch's total completion tokens, all-reduces gradients across torch.distributed ranks (each rank takes a
-strided shard of the samples), clips the global gradient norm and applies AdamW. How a stale batch is
+batch's total completion tokens (each rank takes a strided shard of the samples; FSDP2 reduce-scatters
+the gradients, so each rank's shard holds the sum over ranks), clips the global gradient norm and
+applies AdamW to the local shards. How a stale batch is
 corrected follows ``config.objective`` (see ``prime_node.ml.grpo``): "recompute" recomputes the old
 log-probs itself under the policy version that generated the batch (kept in memory, or read back from
 its checkpoint); "behaviour" (the default), "decoupled" and "masked_is" use the behaviour log-probs
@@ -30,15 +31,17 @@ import torch
 
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
-from prime_node.ml.checkpoint import (
-    list_checkpoints,
-    load_weights_into,
-    model_weights,
-    read_weights,
-    step_dir,
-)
+from prime_node.ml.checkpoint import list_checkpoints, read_weights, step_dir
 from prime_node.ml.distributed import DistInfo
 from prime_node.ml.evaluation import completion_text, encode_prompt
+from prime_node.ml.fsdp import (
+    clip_gradients,
+    full_weights,
+    load_full_weights,
+    resolve_train_dtype,
+    shard_model,
+    training_mesh,
+)
 from prime_node.ml.grpo import group_advantages, grpo_loss
 from prime_node.ml.lr_schedule import learning_rate_at
 from prime_node.tasks.base import TaskSource, length_bonus
@@ -69,6 +72,80 @@ class Prepared:
     @property
     def completion_tokens(self) -> int:
         return sum(len(s) - p for s, p in zip(self.sequences, self.prompt_lengths, strict=True))
+
+
+_PREPARED_MAGIC = 0x50524550_00000001  # "PREP", version 1
+
+
+def encode_prepared(prepared: Prepared) -> bytes:
+    """A compact, pickle-free encoding of ``prepared`` for rank 0 to broadcast to the other ranks:
+    int64 header and lengths, int64 tokens, float64 advantages and log-probs (Python floats survive
+    exactly, so every rank trains on the same numbers)."""
+    import numpy as np
+
+    n = len(prepared.sequences)
+    behaviour = prepared.behaviour_logprobs
+    header = [
+        _PREPARED_MAGIC,
+        prepared.policy_step,
+        n,
+        len(behaviour),
+        prepared.groups_kept,
+        prepared.groups_dropped,
+    ]
+    parts = [
+        np.asarray(header, dtype="<i8"),
+        np.asarray([prepared.reward_mean], dtype="<f8"),
+        np.asarray([len(s) for s in prepared.sequences], dtype="<i8"),
+        np.asarray(prepared.prompt_lengths, dtype="<i8"),
+        np.asarray([len(b) for b in behaviour], dtype="<i8"),
+        np.asarray([t for s in prepared.sequences for t in s], dtype="<i8"),
+        np.asarray(prepared.advantages, dtype="<f8"),
+        np.asarray([v for b in behaviour for v in b], dtype="<f8"),
+    ]
+    return b"".join(part.tobytes() for part in parts)
+
+
+def decode_prepared(data: bytes) -> Prepared:
+    """``encode_prepared``'s inverse; NodeError ``bad_step_message`` for anything malformed."""
+    import numpy as np
+
+    def bad(why: str) -> NodeError:
+        return NodeError(f"malformed step message from rank 0: {why}", reason="bad_step_message")
+
+    offset = 0
+
+    def take(count: int, dtype: str) -> Any:
+        nonlocal offset
+        end = offset + 8 * count
+        if count < 0 or end > len(data):
+            raise bad("truncated")
+        array = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+        offset = end
+        return array
+
+    magic, policy_step, n, n_behaviour, kept, dropped = (int(v) for v in take(6, "<i8"))
+    if magic != _PREPARED_MAGIC or n_behaviour not in (0, n):
+        raise bad("wrong header")
+    reward_mean = float(take(1, "<f8")[0])
+    seq_lengths, prompt_lengths, lp_lengths = take(n, "<i8"), take(n, "<i8"), take(n_behaviour, "<i8")
+    if (seq_lengths < 0).any() or (lp_lengths < 0).any():
+        raise bad("negative length")
+    tokens = take(int(seq_lengths.sum()), "<i8").tolist()
+    advantages = take(n, "<f8").tolist()
+    logprobs = take(int(lp_lengths.sum()), "<f8").tolist()
+    if offset != len(data):
+        raise bad("trailing bytes")
+    sequences, behaviour, at, lp_at = [], [], 0, 0
+    for length in seq_lengths.tolist():
+        sequences.append(tokens[at : at + length])
+        at += length
+    for length in lp_lengths.tolist():
+        behaviour.append(logprobs[lp_at : lp_at + length])
+        lp_at += length
+    return Prepared(
+        policy_step, sequences, prompt_lengths.tolist(), advantages, reward_mean, kept, dropped, behaviour
+    )
 
 
 @dataclass
@@ -229,7 +306,15 @@ class PolicyHistory:
 
 
 class GRPOTrainer:
-    """The model, its optimizer and one GRPO step at a time (side effects live in the caller's loop)."""
+    """The model, its optimizer and one GRPO step at a time (side effects live in the caller's loop).
+
+    The model is sharded with FSDP2 over every rank of ``dist`` (``fsdp.py``; a single process is a
+    1-rank mesh), and AdamW steps the local shards. Every rank must call ``train_step`` with the same
+    batch: each forward, backward and the weight gather after the step are collectives.
+
+    The old-policy model ("recompute") and the KL reference are sharded frozen copies too (1/N of the
+    weights per rank, like the trainee); the old one is loaded from rank 0's policy history.
+    """
 
     def __init__(
         self,
@@ -242,38 +327,65 @@ class GRPOTrainer:
         step: int = 0,
     ) -> None:
         self.config = config
-        self.model = model
         self.tokenizer = tokenizer
         self.dist = dist
         self.step = step
+        device = str(next(model.parameters()).device)
+        self.mesh = training_mesh(dist, device)
+        compute_dtype = resolve_train_dtype(config.train_dtype, device)
+        recompute = config.objective == "recompute"
+
+        def frozen_copy() -> Any:
+            return shard_model(copy.deepcopy(model).eval(), self.mesh, compute_dtype=compute_dtype)
+
+        self._old_model = frozen_copy() if recompute else None
+        self._old_model_step: int | None = None
+        self._reference = frozen_copy() if config.kl_coef > 0 else None
+        self.model = shard_model(
+            model,
+            self.mesh,
+            compute_dtype=compute_dtype,
+            activation_checkpointing=config.activation_checkpointing,
+        )
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            self.model.parameters(),
             lr=config.learning_rate,
             betas=config.adam_betas,
             weight_decay=config.weight_decay,
         )
-        recompute = config.objective == "recompute"
         # Only "recompute" reads old policies back; the others keep the newest two for the callers
-        # (checkpoint writers and evaluation ask for the current step's weights).
+        # (checkpoint writers and evaluation ask for the current step's weights). Rank 0 only.
         self.history = PolicyHistory(config.async_level + 1 if recompute else 2, checkpoint_root)
-        self.history.add(step, model_weights(model))
-        self._old_model = copy.deepcopy(model).eval() if recompute else None
-        self._old_model_step: int | None = None
-        self._reference = copy.deepcopy(model).eval() if config.kl_coef > 0 else None
+        self.record_policy()
         self.checkpoint_root = checkpoint_root
+
+    def record_policy(self) -> None:
+        """Collective: gather the current weights into rank 0's history as policy ``self.step``."""
+        weights = full_weights(self.model)
+        if self.dist.is_main:
+            self.history.add(self.step, weights)
 
     def _old_logp(self, step: int, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         assert self._old_model is not None
         if self._old_model_step != step:
-            load_weights_into(self._old_model, self.history.get(step))
+            load_full_weights(self._old_model, self.history.get(step) if self.dist.is_main else None)
             self._old_model_step = step
         return self._token_logp(self._old_model, ids, targets)
 
     def _token_logp(self, model: Any, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         scale = self.config.temperature if self.config.temperature > 0 else 1.0
         with torch.no_grad():
-            logits = model(input_ids=ids).logits.float() / scale
+            logits = model(input_ids=ids, use_cache=False).logits.float() / scale
             return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def _my_chunks(self, prepared: Prepared) -> list[list[int]]:
+        """This rank's strided shard of the samples in micro-batches, padded with empty chunks to the
+        count every rank runs (each forward and backward is a collective under FSDP2)."""
+        world, size = self.dist.world_size, self.config.micro_batch_samples
+        mine = list(range(self.dist.rank, len(prepared.sequences), world))
+        chunks = [mine[i : i + size] for i in range(0, len(mine), size)]
+        most = math.ceil(math.ceil(len(prepared.sequences) / world) / size)
+        return chunks + [[] for _ in range(most - len(chunks))]
 
     def train_step(self, prepared: Prepared) -> StepMetrics:
         """One optimizer step on an admitted batch; advances ``self.step`` by one."""
@@ -300,26 +412,25 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=False)
         if prepared.sequences:
             self.model.train()
-            mine = list(range(self.dist.rank, len(prepared.sequences), self.dist.world_size))
-            for start in range(0, len(mine), cfg.micro_batch_samples):
-                chunk = mine[start : start + cfg.micro_batch_samples]
-                ids, targets, mask = _micro_batch(
-                    [prepared.sequences[i] for i in chunk],
-                    [prepared.prompt_lengths[i] for i in chunk],
-                    self.tokenizer.pad_token_id,
-                )
+            pad = self.tokenizer.pad_token_id
+            for chunk in self._my_chunks(prepared):
+                # An empty chunk (this rank ran out of samples) runs a masked-out pad sample: it joins
+                # the collectives and adds nothing to the loss or the gradient.
+                sequences = [prepared.sequences[i] for i in chunk] or [[pad, pad]]
+                prompt_lengths = [prepared.prompt_lengths[i] for i in chunk] or [2]
+                ids, targets, mask = _micro_batch(sequences, prompt_lengths, pad)
                 device = next(self.model.parameters()).device
                 ids, targets, mask = ids.to(device), targets.to(device), mask.to(device)
                 advantages = torch.tensor(
-                    [prepared.advantages[i] for i in chunk], dtype=torch.float32, device=device
+                    [prepared.advantages[i] for i in chunk] or [0.0], dtype=torch.float32, device=device
                 )
-                logits = self.model(input_ids=ids).logits
+                logits = self.model(input_ids=ids, use_cache=False).logits
                 behaviour = None
                 old: torch.Tensor | None = None  # None: the detached training forward (pi_prox)
                 if uses_behaviour:
                     behaviour = _behaviour_micro_batch(
-                        [prepared.behaviour_logprobs[i] for i in chunk],
-                        [prepared.prompt_lengths[i] for i in chunk],
+                        [prepared.behaviour_logprobs[i] for i in chunk] or [[]],
+                        prompt_lengths,
                         targets.shape[1],
                     ).to(device)
                 elif prepared.policy_step != self.step:
@@ -354,10 +465,9 @@ class GRPOTrainer:
                 totals["is"] += parts.is_fraction
             self.model.eval()
         if self.dist.world_size > 1:
-            self.dist.all_reduce_gradients(self.model)
             totals = self.dist.sum_floats(totals)
         if prepared.sequences:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+            grad_norm = clip_gradients(self.model, cfg.grad_clip)
             if math.isfinite(grad_norm):
                 for group in self.optimizer.param_groups:
                     group["lr"] = learning_rate
@@ -365,7 +475,7 @@ class GRPOTrainer:
             else:
                 log.warning("step %d: non-finite gradient norm, update skipped", self.step)
         self.step += 1
-        self.history.add(self.step, model_weights(self.model))
+        self.record_policy()
         return StepMetrics(
             step=self.step,
             policy_step=prepared.policy_step,

@@ -5,7 +5,8 @@ run config on topic ``run``), admission (batches with an accepting quorum of tru
 trainer itself, which reports ready once the starting policy is shared. The process prints one JSON
 line with its address and multiaddrs (what inferers bootstrap from), one with the run address joiners
 pass as ``join --run`` (``{"join": "RUN@0xTRAINER,MULTIADDR"}``), then one per step; it runs until
-SIGINT/SIGTERM, or until ``max_steps`` with ``exit_when_done``.
+SIGINT/SIGTERM, or until ``max_steps`` with ``exit_when_done``. Under torchrun (``--nproc N``) this is
+rank 0 (``dist``); the other ranks only train (``prime_node/roles/trainer_ranks.py``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.node_config import NodeConfig
 from protocol.run_announcement import MAX_BOOTSTRAP, RunAddress
+
+if TYPE_CHECKING:
+    from prime_node.ml.distributed import DistInfo
 
 
 @dataclass
@@ -47,6 +51,7 @@ def build_trainer_node(
     on_step: Callable[[Any], None] | None = None,
     stop_when_done: bool = False,
     announce_period: float = 5.0,
+    dist: DistInfo | None = None,
 ) -> TrainerNode:
     from prime_node.roles.announcement import RunAnnouncer
     from prime_node.roles.trainer_service import TrainerOptions, TrainerService, check_trainer_key
@@ -70,11 +75,25 @@ def build_trainer_node(
         run_config=run_config,
         swarm=swarm,
         admission=admission,
-        options=TrainerOptions(model_dir=model_dir, stop_when_done=stop_when_done),
+        options=TrainerOptions(model_dir=model_dir, stop_when_done=stop_when_done, dist=dist),
         on_step=on_step,
     )
     announcer = RunAnnouncer(key=key, run_config=trainer.config, period=announce_period)
     return TrainerNode(swarm, announcer, admission, trainer)
+
+
+def step_line(metrics: Any) -> str:
+    """The JSON line the trainer prints after each step."""
+    return json.dumps(
+        {
+            "step": metrics.step,
+            "policy_step": metrics.policy_step,
+            "reward": round(metrics.reward_mean, 4),
+            "groups_kept": metrics.groups_kept,
+            "loss": round(metrics.loss, 5),
+            "grad_norm": round(metrics.grad_norm, 4),
+        }
+    )
 
 
 def run_trainer_node(

@@ -11,14 +11,14 @@ resume, the fsynced rollout log before the step, checkpoints, evaluation), then 
 as a Hugging Face directory and shares it. Held-out greedy accuracy is measured on the session's
 separate engine every ``eval_every`` steps without stopping the loop. Model work runs in worker
 threads (one at a time for the training model, one torch thread each) so the node keeps serving
-pieces and gossip.
+pieces and gossip; under torchrun (``TrainerOptions.dist``) this is rank 0, and the step's collectives
+with the other ranks happen in the same worker thread as the step.
 
 Only the holder of the run's trainer key runs this (checked before anything starts).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -36,6 +36,7 @@ from prime_node.node.stage_times import StageTimes
 from prime_node.roles.gather import STALE_IN_QUEUE, Candidate, StepGatherer
 
 if TYPE_CHECKING:
+    from prime_node.ml.distributed import DistInfo
     from prime_node.ml.session import TrainingSession, Weights
     from prime_node.ml.trainer import Prepared, StepMetrics
     from prime_node.node.context import NodeContext
@@ -110,6 +111,9 @@ class TrainerOptions:
     fill_wait_s: float = 0.5
     """How long a step waits for more admitted batches once it has some (a step takes one batch's worth
     of prompts)."""
+    dist: DistInfo | None = None
+    """Rank 0 of a torchrun group (``roles/trainer_ranks.py``): each step's batch reaches the other
+    ranks inside ``session.train``, and ``close`` stops them. None: one process."""
 
 
 class TrainerService:
@@ -129,6 +133,7 @@ class TrainerService:
         model_dir, stop_when_done, evaluate = options.model_dir, options.stop_when_done, options.evaluate
         self.key = key
         self.fill_wait_s = options.fill_wait_s
+        self.dist = options.dist
         self.config = check_trainer_key(run_config, key)
         self.base = model_dir or self.config.model_dir
         if self.base is None:
@@ -158,6 +163,8 @@ class TrainerService:
         self._model_lock = trio.CapacityLimiter(1)
         self._eval_running = False
         self.session: TrainingSession | None = None
+        self.stopped_ranks = False
+        """``close`` ended the session cleanly on every rank (the ranks may meet in a last barrier)."""
 
     # -- status --------------------------------------------------------------------------------------
 
@@ -176,6 +183,7 @@ class TrainerService:
         return {
             "step": self.step,
             "max_steps": self.config.max_steps,
+            "ranks": 1 if self.dist is None else self.dist.world_size,
             "reward_curve": self.reward_curve,
             "held_out": self.held_out,
             "batches_accepted": self.batches_accepted,
@@ -226,7 +234,7 @@ class TrainerService:
 
         torch.set_num_threads(1)  # per OS thread: every worker thread that runs model code sets it
         assert self.base is not None
-        return TrainingSession(self.config, base=self.base)
+        return TrainingSession(self.config, base=self.base, dist=self.dist)
 
     # -- intake: accepted batches -> admitted, queued ------------------------------------------------
 
@@ -408,7 +416,15 @@ class TrainerService:
         return self.session.evaluate(weights)
 
     def close(self) -> None:
-        """Flush the checkpoint writer (the CLI calls this on shutdown)."""
-        if self.session is not None:
-            with contextlib.suppress(NodeError):
-                self.session.close()
+        """Stop the other ranks, if any, and flush the checkpoint writer (the CLI calls this on shutdown)."""
+        if self.session is None:
+            return
+        try:
+            self.session.close()
+        except NodeError as exc:
+            log.warning("closing the training session: %s", exc)
+            self.stopped_ranks = True
+        except RuntimeError as exc:  # a collective with a rank that is gone (torchrun reports it)
+            log.warning("stopping the other trainer ranks failed: %s", exc)
+        else:
+            self.stopped_ranks = True

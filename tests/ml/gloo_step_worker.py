@@ -1,16 +1,20 @@
-"""One GRPO optimizer step under torchrun, for tests/ml/test_local_run.py (not a test module itself).
+"""GRPO optimizer steps under torchrun on FSDP2, for tests/ml/test_local_run.py (not a test module itself).
 
     python -m torch.distributed.run --standalone --nproc_per_node=N tests/ml/gloo_step_worker.py \\
-        --model DIR --batch BATCH.json --out DIR [--sabotage drop-shard|no-allreduce|local-normalizer]
+        --model DIR --batch BATCH.json --out DIR [--steps K]
+        [--sabotage drop-shard|mean-reduce|local-normalizer]
 
 Every rank loads the same model and the same prepared batch (the test wrote it: in a real run rank 0
-broadcasts it), and runs ``GRPOTrainer.train_step`` once: its strided shard, the loss normalised by the
-whole batch's completion tokens, gradients summed over ranks with gloo (``DistInfo``). Each rank then
-writes the summed gradient it holds (``grads_rank{R}.safetensors``) and the step's metrics.
+broadcasts it) and runs ``GRPOTrainer.train_step`` on it ``--steps`` times: the model sharded with FSDP2
+over the gloo ranks, each rank its strided shard of the samples, the loss normalised by the whole batch's
+completion tokens, gradients reduce-scattered (summed) into each rank's shard. After the first step every
+rank gathers the full gradient (``grads_rank{R}.safetensors``); rank 0 writes every step's loss and
+gradient norm (``metrics.json``).
 
 ``--sabotage`` breaks the data parallelism on purpose, to show the test's tolerance catches it:
-``drop-shard`` (rank 1's gradient is lost), ``no-allreduce`` (each rank keeps its own shard's gradient),
-``local-normalizer`` (each rank divides by its own shard's token count instead of the whole batch's).
+``drop-shard`` (rank 1 trains on none of its samples), ``mean-reduce`` (FSDP2's default mean over ranks
+instead of the sum), ``local-normalizer`` (each rank divides by its own shard's token count instead of
+the whole batch's).
 """
 
 from __future__ import annotations
@@ -23,27 +27,25 @@ from pathlib import Path
 from typing import Any
 
 
-def _sabotage(kind: str, shard_scale: float) -> None:
-    import torch.distributed as dist
+def _sabotage(kind: str, trainer: Any, shard_tokens: int) -> None:
+    import prime_node.ml.trainer as trainer_module
+    from prime_node.ml.grpo import grpo_loss as honest_loss
 
-    from prime_node.ml.distributed import DistInfo
+    if kind == "drop-shard" and trainer.dist.rank == 1:
+        honest_chunks = trainer._my_chunks
+        trainer._my_chunks = lambda prepared: [[] for _ in honest_chunks(prepared)]
+    elif kind == "mean-reduce":
+        from torch.distributed.fsdp import FSDPModule
 
-    honest = DistInfo.all_reduce_gradients
+        for module in trainer.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(float(trainer.dist.world_size))
+    elif kind == "local-normalizer":
 
-    def broken(self: DistInfo, model: Any) -> None:
-        if kind == "no-allreduce":
-            return
-        for param in model.parameters():
-            if param.grad is None:
-                continue
-            if kind == "drop-shard" and self.rank == 1:
-                param.grad.zero_()
-            elif kind == "local-normalizer":
-                param.grad.mul_(shard_scale)
-        honest(self, model)
+        def local(*args: Any, normalizer: float, **kwargs: Any) -> Any:
+            return honest_loss(*args, normalizer=float(shard_tokens), **kwargs)
 
-    DistInfo.all_reduce_gradients = broken  # type: ignore[method-assign]
-    assert dist.is_available()
+        setattr(trainer_module, "grpo_loss", local)  # noqa: B010 (a deliberate patch)
 
 
 def main(argv: list[str]) -> int:
@@ -51,7 +53,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--batch", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--sabotage", choices=["drop-shard", "no-allreduce", "local-normalizer"])
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--sabotage", choices=["drop-shard", "mean-reduce", "local-normalizer"])
     args = parser.parse_args(argv)
 
     import torch
@@ -69,25 +72,38 @@ def main(argv: list[str]) -> int:
     prepared = Prepared(**document["prepared"])
     dist = init_from_env()
     try:
-        if args.sabotage is not None:
-            mine = range(dist.rank, len(prepared.sequences), dist.world_size)
-            shard_tokens = sum(len(prepared.sequences[i]) - prepared.prompt_lengths[i] for i in mine)
-            _sabotage(args.sabotage, prepared.completion_tokens / shard_tokens)
         model = load_model(args.model)
         trainer = GRPOTrainer(
             config, model, load_tokenizer(args.model), checkpoint_root=args.out / "checkpoints", dist=dist
         )
-        metrics = trainer.train_step(prepared)
-        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-        args.out.mkdir(parents=True, exist_ok=True)
-        save_file(grads, str(args.out / f"grads_rank{dist.rank}.safetensors"))
+        if args.sabotage is not None:
+            mine = range(dist.rank, len(prepared.sequences), dist.world_size)
+            shard_tokens = sum(len(prepared.sequences[i]) - prepared.prompt_lengths[i] for i in mine)
+            _sabotage(args.sabotage, trainer, shard_tokens)
+        losses, norms = [], []
+        for step in range(args.steps):
+            metrics = trainer.train_step(prepared)
+            losses.append(metrics.loss)
+            norms.append(metrics.grad_norm)
+            if step == 0:
+                grads = {
+                    name: p.grad.full_tensor().detach().clone()
+                    for name, p in trainer.model.named_parameters()
+                    if p.grad is not None
+                }
+                args.out.mkdir(parents=True, exist_ok=True)
+                save_file(grads, str(args.out / f"grads_rank{dist.rank}.safetensors"))
         if dist.is_main:
-            summary = {"world_size": dist.world_size, "loss": metrics.loss, "grad_norm": metrics.grad_norm}
+            summary = {"world_size": dist.world_size, "losses": losses, "grad_norms": norms}
             (args.out / "metrics.json").write_text(json.dumps(summary))
-    finally:
-        shutdown()
+    except BaseException:
+        shutdown(together=False)
+        raise
+    shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from prime_node.ml.distributed import exit_process
+
+    exit_process(main(sys.argv[1:]))

@@ -7,6 +7,7 @@ lengths earn different rewards, which gives GRPO real gradients without a warm-u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from prime_node.config import RunConfig
 from prime_node.ml.checkpoint import list_checkpoints, read_weights
 from prime_node.ml.local_run import run_local
 from prime_node.ml.rollout_log import RolloutLog
+from prime_node.ml.sharded_checkpoint import list_sharded
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -196,8 +199,10 @@ def _gloo_step(
     *,
     env: dict[str, str] | None = None,
     sabotage: str = "",
+    steps: int = 1,
 ) -> list[dict[str, torch.Tensor]]:
-    """Run ``gloo_step_worker.py`` under torchrun with ``nproc`` gloo ranks; every rank's summed gradient."""
+    """Run ``gloo_step_worker.py`` under torchrun with ``nproc`` gloo ranks; the full gradient of the
+    first step as every rank gathered it."""
     from safetensors.torch import load_file
 
     command = [
@@ -207,7 +212,7 @@ def _gloo_step(
         "--standalone",
         f"--nproc_per_node={nproc}",
         str(REPO / "tests" / "ml" / "gloo_step_worker.py"),
-        *("--model", str(model_dir), "--batch", str(batch), "--out", str(out)),
+        *("--model", str(model_dir), "--batch", str(batch), "--out", str(out), "--steps", str(steps)),
         *(("--sabotage", sabotage) if sabotage else ()),
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -231,42 +236,80 @@ def _gradient_gap(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor
 
 
 GLOO_GRADIENT_TOLERANCE = 1e-4
+GLOO_LOSS_TOLERANCE = 1e-5
+GLOO_CURVE_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, GlooRun]:
+    """``GLOO_CURVE_STEPS`` FSDP2 steps on one fixed batch with 1 and with 2 gloo ranks (torchrun):
+    the full gradient of the first step on every rank, and rank 0's loss and grad-norm curve."""
+    root = tmp_path_factory.mktemp("gloo")
+    batch = _gloo_step_batch(tiny_model_dir, root)
+    runs = {}
+    for nproc in (1, 2):
+        out = root / f"n{nproc}"
+        grads = _gloo_step(tiny_model_dir, batch, out, nproc, steps=GLOO_CURVE_STEPS)
+        runs[nproc] = GlooRun(grads, json.loads((out / "metrics.json").read_text()))
+    return runs
+
+
+@dataclasses.dataclass
+class GlooRun:
+    grads: list[dict[str, torch.Tensor]]
+    metrics: dict[str, Any]
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_sum_the_gradient_of_one_process(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """One GRPO step's gradient, summed over 2 gloo ranks under torchrun, equals the 1-rank gradient of
-    the same batch up to float reassociation; both ranks hold it after the all-reduce.
+def test_two_gloo_processes_sum_the_gradient_of_one_process(gloo_runs: dict[int, GlooRun]) -> None:
+    """One GRPO step's gradient on FSDP2, reduce-scattered over 2 gloo ranks under torchrun and gathered
+    back, equals the 1-rank gradient of the same batch up to float reassociation, on both ranks.
 
     Why one step's gradient and not weights after several steps: training is chaotic (and AdamW's first
     step is nearly lr * sign(gradient)), so a 1e-7 reassociation difference grows into a different
     trajectory; the old 4-step weight comparison (rtol 1e-4) failed on an AVX2 machine. The summed
     gradient is what data parallelism promises to preserve.
 
-    Measured on this batch (gap = max over parameters of max|g_a - g_b| / max|g_a|; the gradient clip
-    is disabled so scale errors show): 2 ranks vs 1 rank 4.1e-7 with AVX2 kernels and 3.9e-7 with
-    ATEN_CPU_CAPABILITY=default (scalar), the same for 1 and 2 threads; the worst pair across all of
-    those settings (AVX2 vs scalar kernels, 1 vs 2 ranks, 1 vs 2 threads) 1.3e-6. The tolerance, 1e-4,
-    is ~75x that worst and ~250x the same-machine gap. Broken data parallelism lands four orders of
-    magnitude outside it (``gloo_step_worker.py --sabotage``): rank 1's shard dropped 1.75, no
-    all-reduce 1.5-1.75, each rank normalising by its own shard's tokens 1.53 (grad norm 3.99 vs 1.91).
+    Measured on this batch under FSDP2 (gap = max over parameters of max|g_a - g_b| / max|g_a|; the
+    gradient clip is disabled so scale errors show): 2 ranks vs 1 rank 3.7e-7 with AVX2 kernels and
+    3.3e-7 with ATEN_CPU_CAPABILITY=default (scalar), the same for 1 and 2 threads; the worst pair across
+    all of those settings (AVX2 vs scalar kernels, 1 vs 2 ranks, 1 vs 2 threads) 1.1e-6. The tolerance,
+    1e-4, is ~90x that worst and ~270x the same-machine gap. Broken data parallelism lands four orders
+    of magnitude outside it (``gloo_step_worker.py --sabotage``): rank 1's samples dropped 1.69,
+    FSDP2's default mean over ranks instead of the sum 0.50, each rank normalising by its own shard's
+    tokens 1.53.
     """
-    batch = _gloo_step_batch(tiny_model_dir, tmp_path)
-    (one,) = _gloo_step(tiny_model_dir, batch, tmp_path / "n1", 1)
-    first, second = _gloo_step(tiny_model_dir, batch, tmp_path / "n2", 2)
+    one, (first, second) = gloo_runs[1].grads[0], gloo_runs[2].grads
     assert max(float(t.abs().max()) for t in one.values()) > 0  # the batch really has a gradient
     assert _gradient_gap(one, first) < GLOO_GRADIENT_TOLERANCE
     assert _gradient_gap(one, second) < GLOO_GRADIENT_TOLERANCE
-    metrics = [json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("n1", "n2")]
-    assert metrics[1]["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=GLOO_GRADIENT_TOLERANCE)
-    assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], rel=GLOO_GRADIENT_TOLERANCE, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_follow_the_loss_curve_of_one_process(gloo_runs: dict[int, GlooRun]) -> None:
+    """Six FSDP2 steps on one batch: the 2-rank loss and grad-norm curves follow the 1-rank ones.
+
+    Measured (rank 0's curves, max over the 6 steps of |a - b|; losses run from -0.004 to -0.22, grad
+    norms from 1.57 to 0.70): 2 ranks vs 1 rank 3.7e-8 (loss) and 1.2e-7 (grad norm) with AVX2 kernels,
+    3.8e-8 and 1.2e-7 with ATEN_CPU_CAPABILITY=default; the worst pair across AVX2/scalar kernels, 1/2
+    ranks and 1/2 threads 5.2e-8 and 2.4e-7. The tolerances (1e-5 on the loss, 1e-4 relative on the
+    norm) are ~200x those worsts. Sabotaged runs (see the test above): rank 1's samples dropped misses
+    by 0.15 on the loss, the per-shard normaliser by 0.12. FSDP2's mean instead of the sum halves every
+    gradient, which AdamW's scale invariance hides from the loss curve (5.2e-7): the grad-norm curve
+    catches it (off by 0.79), as does the gradient test.
+    """
+    one, two = gloo_runs[1].metrics, gloo_runs[2].metrics
+    assert two["world_size"] == 2 and len(one["losses"]) == len(two["losses"]) == GLOO_CURVE_STEPS
+    assert one["losses"][-1] < one["losses"][0] - 0.1  # the curve really moves: the steps train
+    assert two["losses"] == pytest.approx(one["losses"], rel=0, abs=GLOO_LOSS_TOLERANCE)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=GLOO_GRADIENT_TOLERANCE)
 
 
 @pytest.mark.slow
 def test_run_trainer_with_two_gloo_processes_trains(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The launcher end to end (run-trainer --local --nproc 2: torchrun, dist_entry, rank 0 broadcasting
-    batches): it finishes and moves the weights. Whether 2 ranks compute the 1-rank gradient is the test
-    above; weights after several steps are not compared across processes (see there why)."""
+    """The launcher end to end (run-trainer --local --nproc 2: torchrun, dist_entry, rank 0 admitting and
+    broadcasting each step, rank 1 following): it finishes, writes the sharded training state and moves
+    the weights. Whether 2 ranks compute the 1-rank gradient and loss curve is the tests above."""
     out = tmp_path / "n2"
     toml = tmp_path / "n2.toml"
     _write_toml(toml, _config(out, tiny_model_dir, 3, prompts_per_step=6))
@@ -280,6 +323,8 @@ def test_run_trainer_with_two_gloo_processes_trains(tiny_model_dir: Path, tmp_pa
     start, final = read_weights(list_checkpoints(out / "checkpoints")[0].path), _final_weights(out)
     assert all(torch.isfinite(t).all() for t in final.values())
     assert any(not torch.equal(start[k], final[k]) for k in start)  # training really changed weights
+    states = list_sharded(out / "train_state")
+    assert states and states[-1].step == 3 and states[-1].world_size == 2
 
 
 def test_a_code_task_trains_through_the_real_sandbox(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -1,0 +1,435 @@
+"""Sharded training state (model + optimizer) with torch.distributed.checkpoint, for resume after a kill.
+
+    ROOT/sharded_00000012/
+        __0_0.distcp, __1_0.distcp, ...   each rank's shards of the weights and AdamW moments (DCP)
+        .metadata                          DCP's index of the shards (global shapes, chunk offsets)
+        complete.json                      written last: step, world size, meta, file sizes, optimizer
+                                           hyper-parameters
+
+Every rank writes only its own shards (FSDP2 DTensors, or whole tensors at world size 1), so saving costs
+no gather and no rank ever holds the full optimizer state. The checkpoint is built under
+``.sharded_00000012.tmp``; after every rank has written, rank 0 adds ``complete.json`` and renames the
+directory into place. A kill at any moment therefore leaves the previous checkpoint and, at worst, a
+temporary directory that nothing loads and the next save removes. The Hugging Face directories the swarm
+shares are written elsewhere (``checkpoint.py``); these hold what only the trainer needs to continue.
+
+DCP reads its ``.metadata`` with pickle and non-tensor items with ``torch.load(weights_only=False)``:
+here the metadata goes through an unpickler that resolves only DCP's own metadata classes, and nothing is
+stored as a non-tensor item (the optimizer's hyper-parameters live in ``complete.json``), so a tampered
+directory is refused with a NodeError instead of running code. With several machines, ROOT must be a
+file system every rank sees (rank 0 lists and renames what the others wrote).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from prime_node.atomic_files import fsync_directory, node_error_from_os, write_atomically
+from prime_node.errors import NodeError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MARKER = "complete.json"
+_FINAL_DIR = re.compile(r"^sharded_(\d{8})$")
+_TEMP_DIR = re.compile(r"^\.sharded_(\d{8})\.(tmp|old)$")
+_MAX_WORLD_SIZE = 1 << 20
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+"""What DCP's ``.metadata`` pickle may name (read off the files torch 2.13 writes), plus torch dtypes."""
+
+
+@dataclass(frozen=True)
+class ShardedCheckpoint:
+    """A complete sharded checkpoint, as its marker describes it."""
+
+    step: int
+    path: Path
+    world_size: int
+    """How many ranks wrote it (it loads at any world size: DCP reshards)."""
+    meta: dict[str, object]
+    optimizer_groups: list[dict[str, object]]
+    """The optimizer's hyper-parameters per parameter group (everything but the parameters)."""
+
+
+def sharded_dir(root: Path, step: int) -> Path:
+    return root / f"sharded_{step:08d}"
+
+
+def _temp_dir(root: Path, step: int, kind: str = "tmp") -> Path:
+    return root / f".sharded_{step:08d}.{kind}"
+
+
+# --- process group -----------------------------------------------------------------------------------
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _alone_is_intended() -> Iterator[None]:
+    """DCP warns whenever one process without a process group saves or loads: that is world size 1 here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank0_outcome(error: NodeError | None) -> None:
+    """Every rank raises rank 0's NodeError (so no rank waits in a collective the others left)."""
+    if not _distributed():
+        if error is not None:
+            raise error
+        return
+    # Pickled by torch between the ranks of this one job (never read from disk or the network).
+    outcome: list[list[str] | None] = [None if error is None else [str(error), error.reason]]
+    dist.broadcast_object_list(outcome, src=0)
+    failure = outcome[0]
+    if failure is not None:
+        raise NodeError(failure[0], reason=failure[1])
+
+
+# --- saving ------------------------------------------------------------------------------------------
+
+
+def save_sharded(
+    root: Path, step: int, model: Any, optimizer: torch.optim.Optimizer, *, meta: dict[str, object]
+) -> Path:
+    """Write the model and optimizer state of policy ``step`` under ``root``; collective on every rank.
+
+    Returns the checkpoint directory once it is visible to ``newest_sharded``. ``meta`` (JSON-able) comes
+    back from ``load_sharded``. NodeError ``checkpoint_failed`` if writing fails on any rank.
+    """
+    marker_meta = json.loads(json.dumps(meta))  # refuse what JSON cannot hold before any rank writes
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    tensors, groups = _split_optimizer_state(optimizer_state)
+    temp = _temp_dir(root, step)
+    error: NodeError | None = None
+    if _rank() == 0:
+        try:
+            _remove_stale_temporaries(root)
+            temp.mkdir(parents=True)
+        except OSError as exc:
+            error = node_error_from_os(exc, f"preparing checkpoint directory {temp}")
+    _rank0_outcome(error)
+    try:
+        with _alone_is_intended():
+            dcp_save(
+                {"model": model_state, "optimizer": tensors},
+                storage_writer=FileSystemWriter(str(temp), sync_files=True),
+                no_dist=not _distributed(),
+            )
+    except CheckpointException as exc:  # raised on every rank when any rank failed
+        raise NodeError(
+            f"writing sharded checkpoint {temp} failed: {exc}", reason="checkpoint_failed"
+        ) from exc
+    final = sharded_dir(root, step)
+    if _rank() == 0:
+        try:
+            _publish(root, temp, final, step, marker_meta, groups)
+        except (OSError, NodeError) as exc:
+            error = exc if isinstance(exc, NodeError) else node_error_from_os(exc, f"publishing {final}")
+            error = NodeError(str(error), reason="checkpoint_failed")
+    _rank0_outcome(error)
+    return final
+
+
+def _split_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, object]]]:
+    """(per-parameter tensors for DCP, JSON-able hyper-parameters per group)."""
+    for fqn, entry in state["state"].items():
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {fqn}.{key} is not a tensor: only tensor state is saved")
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]
+    return state["state"], json.loads(json.dumps(groups))
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    """Temporaries of saves a kill interrupted (only one save runs at a time: it is collective)."""
+    if not root.is_dir():
+        return
+    for item in root.iterdir():
+        if _TEMP_DIR.match(item.name) and item.is_dir():
+            log.info("removing %s, left by an interrupted checkpoint save", item)
+            shutil.rmtree(item, ignore_errors=True)
+
+
+def _publish(
+    root: Path, temp: Path, final: Path, step: int, meta: dict[str, object], groups: list[dict[str, object]]
+) -> None:
+    files = {item.name: item.stat().st_size for item in sorted(temp.iterdir()) if item.is_file()}
+    marker = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "world_size": _world_size(),
+        "meta": meta,
+        "files": files,
+        "optimizer_groups": groups,
+    }
+    write_atomically(temp / MARKER, json.dumps(marker, sort_keys=True))  # fsyncs temp's entries too
+    if final.exists():  # the same step saved again (after a resume): the old copy goes aside first
+        old = _temp_dir(root, step, "old")
+        os.rename(final, old)
+        os.rename(temp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(temp, final)
+    fsync_directory(root)
+
+
+# --- finding -----------------------------------------------------------------------------------------
+
+
+def list_sharded(root: Path) -> list[ShardedCheckpoint]:
+    """Complete sharded checkpoints under ``root``, oldest first. Directories without a valid marker, or
+    whose files are missing or cut short, are skipped with a log line."""
+    if not root.is_dir():
+        return []
+    found = []
+    for item in sorted(root.iterdir()):
+        match = _FINAL_DIR.match(item.name)
+        if match is None or not item.is_dir():
+            continue
+        try:
+            found.append(_read_marker(item, int(match.group(1))))
+        except NodeError as exc:
+            log.warning("skipping sharded checkpoint %s: %s", item, exc)
+    return found
+
+
+def newest_sharded(root: Path) -> ShardedCheckpoint | None:
+    """The newest complete sharded checkpoint under ``root``, or None."""
+    found = list_sharded(root)
+    return found[-1] if found else None
+
+
+def _read_marker(path: Path, step: int) -> ShardedCheckpoint:
+    def bad(why: str) -> NodeError:
+        return NodeError(f"{path / MARKER}: {why}", reason="bad_checkpoint")
+
+    try:
+        raw = (path / MARKER).read_bytes()
+    except OSError as exc:
+        raise bad(f"unreadable ({exc.strerror or exc})") from exc
+    if len(raw) > 1 << 20:
+        raise bad("larger than 1 MiB")
+    try:
+        marker = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise bad(f"not JSON ({exc})") from exc
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT_VERSION:
+        raise bad(f"not a format-{FORMAT_VERSION} marker")
+    world_size, meta, files, groups = (
+        marker.get(k) for k in ("world_size", "meta", "files", "optimizer_groups")
+    )
+    if not _is_int(marker.get("step")) or marker["step"] != step:
+        raise bad(f"its step {marker.get('step')!r} is not the directory's {step}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool):
+        raise bad(f"world size {world_size!r}")
+    if not 1 <= world_size <= _MAX_WORLD_SIZE:
+        raise bad(f"world size {world_size!r}")
+    if not isinstance(meta, dict):
+        raise bad("meta is not an object")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise bad("optimizer_groups is not a list of objects")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise bad("no file list with .metadata")
+    for name, size in files.items():
+        if not _plain_file_name(name) or not _is_int(size) or size < 0:
+            raise bad(f"bad file entry {name!r}: {size!r}")
+        try:
+            actual = (path / name).stat().st_size
+        except OSError as exc:
+            raise bad(f"{name} is missing") from exc
+        if actual != size:
+            raise bad(f"{name} has {actual} bytes, the marker says {size}")
+    return ShardedCheckpoint(step, path, world_size, meta, groups)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _plain_file_name(name: str) -> bool:
+    return (
+        bool(name)
+        and name not in (".", "..", MARKER)
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
+
+
+def prune_sharded(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints (all of them if ``keep`` <= 0); also remove incomplete
+    ``sharded_*`` directories older than the newest complete one (nothing would ever load them)."""
+    complete = list_sharded(root)
+    if keep <= 0 or not complete:
+        return
+    kept = {c.path for c in complete[-keep:]}
+    newest = complete[-1].step
+    for item in root.iterdir():
+        match = _FINAL_DIR.match(item.name)
+        if match is None or item in kept or int(match.group(1)) >= newest:
+            continue
+        shutil.rmtree(item, ignore_errors=True)
+
+
+# --- loading -----------------------------------------------------------------------------------------
+
+
+def load_sharded(ckpt: ShardedCheckpoint, model: Any, optimizer: torch.optim.Optimizer) -> dict[str, object]:
+    """Load ``ckpt`` into the live (possibly FSDP2-sharded) ``model`` and ``optimizer``; collective on every
+    rank. Works at a world size other than the one that wrote it (DCP reshards). Returns its ``meta``;
+    NodeError ``bad_checkpoint`` if the files do not fit the model or cannot be read."""
+    if ckpt.world_size != _world_size():
+        log.info("resharding %s from %d to %d ranks", ckpt.path, ckpt.world_size, _world_size())
+    optimizer.zero_grad(set_to_none=True)  # lets get_state_dict create the optimizer state to load into
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    live_groups: list[dict[str, Any]] = list(optimizer_state["param_groups"])  # type: ignore[arg-type]
+    if len(live_groups) != len(ckpt.optimizer_groups):
+        raise NodeError(
+            f"{ckpt.path}: {len(ckpt.optimizer_groups)} optimizer groups, not {len(live_groups)}",
+            reason="bad_checkpoint",
+        )
+    try:
+        with _alone_is_intended():
+            dcp_load(
+                {"model": model_state, "optimizer": optimizer_state["state"]},
+                storage_reader=_MetadataCheckingReader(str(ckpt.path)),
+                planner=_TensorsOnlyPlanner(),
+                no_dist=not _distributed(),
+            )
+        for live, saved in zip(live_groups, ckpt.optimizer_groups, strict=True):
+            live.update({k: _like(live.get(k), v) for k, v in saved.items()})
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optimizer_state,
+        )
+    except NodeError:
+        raise
+    except (
+        CheckpointException,
+        OSError,
+        RuntimeError,
+        ValueError,
+        KeyError,
+        TypeError,
+        AssertionError,
+    ) as exc:
+        raise NodeError(
+            f"cannot load sharded checkpoint {ckpt.path}: {exc}", reason="bad_checkpoint"
+        ) from exc
+    return dict(ckpt.meta)
+
+
+def _like(live: object, saved: object) -> object:
+    """A saved hyper-parameter in the live value's type (JSON turned AdamW's ``betas`` tuple into a list)."""
+    if isinstance(live, tuple) and isinstance(saved, list):
+        return tuple(saved)
+    return saved
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in _METADATA_CLASSES
+        if allowed or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which is not allowed")
+
+
+def _read_dcp_metadata(handle: IO[bytes]) -> Metadata:
+    try:
+        metadata = _RestrictedUnpickler(handle).load()
+    except Exception as exc:  # any malformed pickle: EOFError, UnpicklingError, TypeError, ...
+        raise ValueError(f"unreadable checkpoint metadata: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"checkpoint metadata is a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+class _MetadataCheckingReader(FileSystemReader):
+    """DCP's file reader with its ``.metadata`` read by the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        with open(Path(self.path) / name, "rb") as handle:
+            metadata = _read_dcp_metadata(handle)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """Refuses DCP's non-tensor items: loading one would be ``torch.load(weights_only=False)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise ValueError(f"checkpoint item {read_item.dest_index.fqn} is not a tensor")
+
+
+__all__ = [
+    "MARKER",
+    "ShardedCheckpoint",
+    "list_sharded",
+    "load_sharded",
+    "newest_sharded",
+    "prune_sharded",
+    "save_sharded",
+    "sharded_dir",
+]
