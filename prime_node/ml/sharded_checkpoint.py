@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from prime_node.atomic_files import fsync_directory, node_error_from_os, write_atomically
+from prime_node.bounded_json import loads_bounded
 from prime_node.errors import NodeError
 
 log = logging.getLogger(__name__)
@@ -266,7 +267,7 @@ def _read_marker(path: Path, step: int) -> ShardedCheckpoint:
     if len(raw) > 1 << 20:
         raise bad("larger than 1 MiB")
     try:
-        marker = json.loads(raw)
+        marker = loads_bounded(raw)
     except (ValueError, RecursionError) as exc:
         raise bad(f"not JSON ({exc})") from exc
     if not isinstance(marker, dict) or marker.get("format") != FORMAT_VERSION:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from prime_node.bounded_json import loads_bounded
 from prime_node.errors import NodeError
 
 MAX_TASK_FILE_BYTES = 2 << 30
@@ -28,9 +29,10 @@ def read_records(path: Path) -> list[dict[str, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    value = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise NodeError(f"{path}:{number}: not JSON: {exc.msg}", reason="bad_task_file") from exc
+                    value = loads_bounded(line)
+                except ValueError as exc:  # JSONDecodeError is a ValueError
+                    why = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+                    raise NodeError(f"{path}:{number}: not JSON: {why}", reason="bad_task_file") from exc
                 if not isinstance(value, dict):
                     raise NodeError(
                         f"{path}:{number}: a record must be a JSON object", reason="bad_task_file"
