@@ -5,7 +5,10 @@ broadcast and summed metrics. gloo on CPU, NCCL on CUDA.
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -101,8 +104,6 @@ def shutdown(*, together: bool = True) -> None:
     the process dies with SIGABRT ("terminate called without an active exception", torch issue
     #190489). Callers that exit right after should use ``exit_process``.
     """
-    import gc
-
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -115,10 +116,6 @@ def shutdown(*, together: bool = True) -> None:
 def exit_process(code: int) -> None:
     """Flush everything and leave without interpreter finalization (see ``shutdown``): a torchrun
     worker's exit status must say whether training succeeded, not whether a torch thread lost a race."""
-    import logging
-    import os
-    import sys
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
