@@ -94,7 +94,7 @@ def _run(
     run = load_run_config(config_path)
     check_model_dir(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    engine = load_engine(model_dir, tokenizer, engine=run.engine)
+    engine = load_engine(model_dir, tokenizer, engine=run.engine, dtype=run.validator_dtype)
     now_ms, step = 0, 0
     try:
         envelope = decode(frame, Envelope)

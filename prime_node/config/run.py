@@ -143,8 +143,13 @@ class RunConfig(_Strict):
     thread of the trainer process."""
     engine: Literal["torch"] = "torch"
     """Inference engine family every role builds (``prime_node.ml.engines.setup_engine``): ``torch`` is
-    transformers in float32 on CPU/CUDA. Validators accept TOPLOC proofs with the thresholds calibrated
-    for this family and its dtype."""
+    transformers on CPU/CUDA. Validators accept TOPLOC proofs with the bounds calibrated for the pair
+    (inferer family and dtype, validator family and dtype)."""
+    inference_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype inferers generate in. With ``validator_dtype`` it must name a calibrated pair
+    (docs/verification.md, *Across dtypes and machines*); others are refused when the config loads."""
+    validator_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype validators recompute in (their prefill): see ``inference_dtype``."""
     seed: int = Field(0, ge=0, lt=1 << 63)
     """Run seed: input of the task schedule and of every sample seed."""
     torch_seed: int = Field(0, ge=0, lt=1 << 63)
@@ -190,6 +195,21 @@ class RunConfig(_Strict):
             except CryptoError as exc:
                 raise ValueError(str(exc)) from exc
         return value
+
+    @model_validator(mode="after")
+    def _calibrated_engines(self) -> RunConfig:
+        from crypto.toploc import CALIBRATED_THRESHOLDS
+
+        pair = ((self.engine, self.inference_dtype), (self.engine, self.validator_dtype))
+        if pair not in CALIBRATED_THRESHOLDS:
+            pairs = sorted(CALIBRATED_THRESHOLDS)
+            calibrated = ", ".join(f"{i[1]} → {v[1]}" for i, v in pairs if i[0] == self.engine)
+            raise ValueError(
+                f"{self.engine} inferers in {self.inference_dtype} checked by validators in "
+                f"{self.validator_dtype} is not a calibrated pair (inference_dtype → validator_dtype: "
+                f"{calibrated}); see docs/verification.md"
+            )
+        return self
 
     @model_validator(mode="after")
     def _reachable_quorum(self) -> RunConfig:

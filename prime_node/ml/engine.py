@@ -17,6 +17,11 @@ Interface (stable; a vLLM engine for GPU machines would implement the same ``Inf
            compares these against the proof and replays the sampling rule on the logits.
     engine.load_weights(state_dict, policy_step); engine.policy_step.
 
+The engine computes in its model's dtype (float32 or bfloat16, chosen by ``prime_node.ml.engines``), but
+everything it hands out is float32: hidden states and logits are upcast (exactly) before TOPLOC or the
+sampling rule sees them, so proofs, replay margins and log-probs are compared in one precision whatever
+each side computed in; only the calibrated bounds differ per (inferer, validator) dtype pair.
+
 Token choice follows the seeded rule in ``prime_node.ml.sampling`` (Gumbel-max on a counter-based hash
 of (sample seed, completion position)), so a batch is replayable from its seeds and temperature alone.
 Generation is batched with left padding and a KV cache.

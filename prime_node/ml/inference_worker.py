@@ -116,7 +116,8 @@ def _generate(
     config = RunConfig.model_validate_json(config_json)
     tokenizer = load_tokenizer(source)
     task = build_task(config.task)
-    engine = load_engine(source, tokenizer, engine=config.engine, policy_step=start)
+    dtype = config.inference_dtype
+    engine = load_engine(source, tokenizer, engine=config.engine, dtype=dtype, policy_step=start)
     first = handoff_path(handoff, start)
     engine.load_weights(with_tied_head(engine.model, read_weights(first.parent, first.name)), start)
     latest = start

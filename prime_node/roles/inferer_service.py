@@ -322,7 +322,10 @@ class InfererService:
         torch.set_num_threads(1)
         self._tokenizer = load_tokenizer(path)
         self._task = build_task(self.config.task)
-        self._engine = load_engine(path, self._tokenizer, engine=self.config.engine, policy_step=step)
+        config = self.config
+        self._engine = load_engine(
+            path, self._tokenizer, engine=config.engine, dtype=config.inference_dtype, policy_step=step
+        )
         self.policy_step = step
         log.info("inferer loaded policy %d from %s", step, path)
 

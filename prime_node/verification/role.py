@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from crypto.keys import WalletKey
 from prime_node.errors import NodeError
-from prime_node.ml.engines import DEFAULT_ENGINE, engine_spec, load_engine
+from prime_node.ml.engines import DEFAULT_DTYPE, DEFAULT_ENGINE, engine_spec, load_engine
 from prime_node.verification.validator import BatchValidator, ValidationResult
 from protocol.envelope import Envelope
 from protocol.verdict import seal_verdict
@@ -43,10 +43,12 @@ class PolicyEngines:
         *,
         keep: int = 3,
         engine: str = DEFAULT_ENGINE,
+        dtype: str = DEFAULT_DTYPE,
     ) -> None:
         if keep < 1:
             raise ValueError("keep at least one policy")
-        engine_spec(engine)  # an unknown family fails here, not at the first batch
+        engine_spec(engine, dtype)  # an unknown family or dtype fails here, not at the first batch
+        self.dtype = dtype
         self.locate = locate
         self.tokenizer = tokenizer
         self.keep = keep
@@ -83,7 +85,9 @@ class PolicyEngines:
         return engine
 
     def _build(self, directory: Path, step: int) -> TorchEngine:
-        engine = load_engine(directory, self.tokenizer, engine=self.engine, policy_step=step)
+        engine = load_engine(
+            directory, self.tokenizer, engine=self.engine, dtype=self.dtype, policy_step=step
+        )
         self.builds += 1
         return engine
 

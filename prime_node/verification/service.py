@@ -403,7 +403,10 @@ class ValidatorService:
         from prime_node.verification.validator import BatchValidator
         from protocol.envelope import EnvelopeVerifier
 
-        self._engines = PolicyEngines(self.locate, self.tokenizer, keep=self.keep_policies)
+        run = self.run_config
+        self._engines = PolicyEngines(
+            self.locate, self.tokenizer, keep=self.keep_policies, engine=run.engine, dtype=run.validator_dtype
+        )
         validator = BatchValidator(
             self.run_config,
             build_task(self.run_config.task),

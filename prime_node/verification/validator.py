@@ -38,7 +38,7 @@ import numpy as np
 from crypto.digests import blake3
 from crypto.errors import CryptoError
 from crypto.toploc import Thresholds, decode_proofs, split_proofs
-from prime_node.ml.engines import engine_spec
+from prime_node.ml.engines import run_calibration
 from prime_node.verification.reasons import Reason
 from protocol import schedule
 from protocol.codec import decode
@@ -55,13 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ROLLOUT_KIND = "rollouts"
 
-# Same-engine recomputation (float32 torch, KV cache vs prefill) moved log-probs by at most 1.2e-6 on
-# freshly initialised models, but by up to 1.17e-4 on a policy after ~250 RL steps (sharper logits; one
-# honest batch of 1,116 in a demo run); weights perturbed by 1 % moved log-probs by 5e-3 or more. 1e-3 sits
-# between the two with a margin on each side. A changed token is caught by the replay check, not here.
-# See docs/verification.md.
-LOGPROB_TOLERANCE = 1e-3
-REPLAY_TOLERANCE = 1e-4
 # Bytes an honest batch may take beyond its tokens and proofs (msgpack headers: under 40 per sample and
 # 200 for the batch), and the prompt length it is allowed per sample: twice the drawn task's, so a batch
 # refused for its size is far beyond any honest one and an off-schedule batch still gets its own reason.
@@ -75,9 +68,12 @@ class CheckPolicy:
     """Acceptance bounds of the recomputation stage, calibrated for one engine family."""
 
     toploc: Thresholds | None = None
-    """TOPLOC bounds; None: those calibrated for the run config's engine family and its dtype."""
-    logprob_tolerance: float = LOGPROB_TOLERANCE
-    replay_tolerance: float = REPLAY_TOLERANCE
+    """TOPLOC bounds; None: those calibrated for the run config's (inferer, validator) engine pair."""
+    logprob_tolerance: float | None = None
+    """Largest claimed − recomputed log-prob error; None: the pair's calibrated one
+    (``prime_node.ml.engines.SAMPLING_TOLERANCES``)."""
+    replay_tolerance: float | None = None
+    """Largest seeded-score margin of a claimed token; None: the pair's calibrated one."""
     recompute_groups: int = 0
     """Recompute only this many (k) of a batch's G groups, drawn with the validator's secret key (0: all).
     A worker that falsifies c groups passes one check with probability C(G − c, k) / C(G, k); the
@@ -140,7 +136,7 @@ class BatchValidator:
 
     ``engines(step)`` returns an engine holding policy ``step`` (or None if this validator does not
     have it); ``rollout_verifier`` holds the freshness window and replay cache of rollout envelopes.
-    A run whose engine has no calibrated TOPLOC thresholds is refused here (NodeError
+    A run whose (inferer, validator) engine pair has no calibrated bounds is refused here (NodeError
     ``uncalibrated_engine``), before any batch is judged.
     """
 
@@ -161,7 +157,8 @@ class BatchValidator:
         self.engines = engines
         self.rollout_verifier = rollout_verifier
         self.policy = policy
-        self.engine_thresholds = engine_spec(config.engine).toploc_thresholds()
+        self.calibration = run_calibration(config)
+        self.engine_thresholds = self.calibration.toploc
         self.sampling_key = os.urandom(32) if sampling_key is None else sampling_key
         self._pool = task.train_ids()
         self._prompts: OrderedDict[int, list[int]] = OrderedDict()  # task id → encoded prompt (bounded)
@@ -374,6 +371,9 @@ class BatchValidator:
         except CryptoError as exc:  # stage 4 decoded every proof; this would be a bug, not the worker's
             raise AssertionError(f"proof became undecodable between stages: {exc}") from exc
         thresholds = self.engine_thresholds if self.policy.toploc is None else self.policy.toploc
+        calibrated = self.calibration.sampling
+        replay_tolerance = _or(self.policy.replay_tolerance, calibrated.replay)
+        logprob_tolerance = _or(self.policy.logprob_tolerance, calibrated.logprob)
         for number, chunk_checks in zip(numbers, checks, strict=True):
             for check in chunk_checks:
                 failure = thresholds.failure(check)
@@ -398,12 +398,12 @@ class BatchValidator:
         for number, completion, start, worst, worst_error in zip(
             numbers, completions, starts.tolist(), worst_margins, worst_errors, strict=True
         ):
-            if worst > self.policy.replay_tolerance:
+            if worst > replay_tolerance:
                 where = int(np.argmax(margin_values[start : start + len(completion)]))
                 detail = f"sample {number}: the seeded rule does not pick token {where} (margin {worst:.3g})"
                 result.reject(Reason.SAMPLING_MISMATCH, detail, number)
                 continue
-            if not worst_error <= self.policy.logprob_tolerance:
+            if not worst_error <= logprob_tolerance:
                 detail = f"sample {number}: log-prob off by {worst_error:.3g}"
                 result.reject(Reason.LOGPROB_MISMATCH, detail, number)
 
@@ -436,3 +436,7 @@ def _terminated_legitimately(tokens: Sequence[int], finished: bool, eos: int, li
     if finished:
         return tokens[-1] == eos
     return tokens[-1] != eos and len(tokens) == limit
+
+
+def _or(explicit: float | None, calibrated: float) -> float:
+    return calibrated if explicit is None else explicit

@@ -1,4 +1,5 @@
-"""The engine factory: the run config's ``engine`` picks the backend; unknown families are NodeErrors."""
+"""The engine factory: the run config's ``engine`` and dtypes pick the backend; unknown families, dtypes
+and uncalibrated (inferer, validator) pairs are NodeErrors before any model is read."""
 
 from __future__ import annotations
 
@@ -10,10 +11,20 @@ import torch
 
 from crypto.toploc import CALIBRATED_THRESHOLDS, Thresholds
 from prime_node.config import RunConfig
+from prime_node.config.run import validate_run_config
 from prime_node.errors import NodeError
 from prime_node.ml import engines
 from prime_node.ml.engine import SamplingParams, TorchEngine
-from prime_node.ml.engines import DEFAULT_ENGINE, EngineSpec, engine_spec, load_engine, setup_engine
+from prime_node.ml.engines import (
+    DEFAULT_ENGINE,
+    SAMPLING_TOLERANCES,
+    EngineSpec,
+    calibration,
+    engine_spec,
+    load_engine,
+    run_calibration,
+    setup_engine,
+)
 from prime_node.ml.model import create_tiny_model
 from prime_node.ml.tokenizer import load_tokenizer
 
@@ -49,6 +60,30 @@ def test_load_engine_reads_a_model_directory_in_the_specs_dtype(tiny_model_dir: 
     assert 1 <= len(completion.tokens) <= 4
 
 
+def test_a_bf16_engine_computes_in_bf16_and_hands_out_float32(tiny_model_dir: Path) -> None:
+    """TOPLOC compares upcast float32 hidden states and the sampling rule float64 scores, whatever the
+    engine computes in."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    engine = load_engine(tiny_model_dir, tokenizer, dtype="bfloat16")
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    params = SamplingParams(max_new_tokens=5, return_hidden=True)
+    [completion] = engine.generate([[22, 23, 16]], [1], params)
+    assert completion.hidden is not None and completion.hidden.dtype == torch.float32
+    [prefill] = engine.prefill([[22, 23, 16]], [completion.tokens])
+    assert prefill.hidden.dtype == prefill.logits.dtype == torch.float32
+    # The same engine replays its own tokens: KV-cache decoding and prefill agree to bf16 rounding.
+    assert (prefill.hidden - completion.hidden).abs().max() < 0.1
+
+
+def test_setup_engine_casts_a_model_to_the_dtype_asked_for() -> None:
+    model, tokenizer = create_tiny_model(seed=0)
+    setup_engine(model, tokenizer, dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with pytest.raises(NodeError) as caught:
+        setup_engine(model, tokenizer, dtype="float16")
+    assert caught.value.reason == "unsupported_dtype"
+
+
 def test_an_unknown_engine_is_a_node_error_before_any_model_is_read(tmp_path: Path) -> None:
     model, tokenizer = create_tiny_model(seed=0)
     with pytest.raises(NodeError) as caught:
@@ -68,21 +103,53 @@ def test_a_run_config_refuses_an_engine_it_does_not_know() -> None:
         RunConfig.model_validate({"engine": "vllm"})
 
 
-def test_thresholds_are_keyed_by_family_and_dtype() -> None:
+F32 = ("torch", "float32")
+
+
+def test_thresholds_are_keyed_by_the_inferer_and_validator_engines() -> None:
     torch_f32 = EngineSpec("torch", "float32").toploc_thresholds()
-    # Today's numbers for our float32 torch engine, unchanged by the move to a table.
+    # The float32 torch engine checking itself: numbers unchanged since the table was keyed by one engine.
     assert torch_f32 == Thresholds(max_exp_mismatches=8, max_mant_err_mean=2.0, max_mant_err_median=1.0)
-    assert torch_f32 is CALIBRATED_THRESHOLDS[("torch", "float32")]
+    assert torch_f32 is CALIBRATED_THRESHOLDS[(F32, F32)]
     assert engine_spec("torch").toploc_thresholds() is torch_f32
-    for spec in (EngineSpec("torch", "bfloat16"), EngineSpec("vllm", "float32")):
+    pair = run_calibration(RunConfig.model_validate({}))
+    assert (pair.toploc, pair.sampling) == (torch_f32, SAMPLING_TOLERANCES[(F32, F32)])
+    vllm = EngineSpec("vllm", "float32")
+    for inferer, validator in ((vllm, vllm), (EngineSpec("torch", "float32"), vllm)):
         with pytest.raises(NodeError) as caught:
-            spec.toploc_thresholds()
+            calibration(inferer, validator)
         assert caught.value.reason == "uncalibrated_engine"
-        assert spec.family in str(caught.value) and spec.dtype in str(caught.value)
+        assert "vllm float32" in str(caught.value) and "torch float32 → torch float32" in str(caught.value)
+
+
+def test_every_calibrated_pair_has_both_its_toploc_bounds_and_its_sampling_tolerances() -> None:
+    assert set(CALIBRATED_THRESHOLDS) == set(SAMPLING_TOLERANCES)
+    for inferer, validator in CALIBRATED_THRESHOLDS:
+        pair = calibration(engine_spec(*inferer), engine_spec(*validator))
+        # Bounds that could not reject anything would accept a forged proof.
+        assert pair.toploc.max_exp_mismatches < 128 - 90 + 1
+        assert 0 < pair.sampling.replay < 1 and 0 < pair.sampling.logprob < 1
+
+
+@pytest.mark.parametrize("dtypes", [(i[1], v[1]) for i, v in CALIBRATED_THRESHOLDS if i[0] == "torch"])
+def test_a_run_config_accepts_every_calibrated_dtype_pair(dtypes: tuple[str, str]) -> None:
+    run = validate_run_config({"inference_dtype": dtypes[0], "validator_dtype": dtypes[1]}, source="run.toml")
+    assert (run_calibration(run).inferer.dtype, run_calibration(run).validator.dtype) == dtypes
+
+
+def test_a_run_config_names_only_dtypes_the_engine_computes_in() -> None:
+    with pytest.raises(NodeError) as caught:
+        validate_run_config({"inference_dtype": "float16"}, source="run.toml")
+    assert caught.value.reason == "bad_config" and "inference_dtype" in str(caught.value)
+    with pytest.raises(NodeError) as caught:
+        engine_spec("torch", "float16")
+    assert caught.value.reason == "unsupported_dtype"
 
 
 def test_the_threshold_table_cannot_be_changed_at_run_time() -> None:
     with pytest.raises(TypeError):
-        CALIBRATED_THRESHOLDS[("torch", "bfloat16")] = CALIBRATED_THRESHOLDS[("torch", "float32")]  # type: ignore[index]
+        CALIBRATED_THRESHOLDS[(F32, ("torch", "bfloat16"))] = CALIBRATED_THRESHOLDS[(F32, F32)]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        SAMPLING_TOLERANCES[(F32, ("torch", "bfloat16"))] = SAMPLING_TOLERANCES[(F32, F32)]  # type: ignore[index]
     with pytest.raises(TypeError):
         engines._BACKENDS["vllm"] = engines._BACKENDS["torch"]  # type: ignore[index]
