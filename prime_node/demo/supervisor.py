@@ -9,19 +9,18 @@ the kernel for SIGTERM when the demo dies, so even a SIGKILLed demo leaves nothi
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from prime_node.parent_death import death_signal_setter
+
 STOP_DEADLINE_S = 8.0
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -53,24 +52,6 @@ class Child:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def _death_signal_setter() -> Callable[[], None] | None:
-    """What runs in each child between fork and exec: ask for SIGTERM when the demo process dies (Linux).
-
-    libc is looked up here, in the parent, so the child runs no import (nothing that takes a lock)."""
-    if not sys.platform.startswith("linux"):
-        return None
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def set_death_signal() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return set_death_signal
-
-
 class Supervisor:
     """Starts children and guarantees they are gone when it is closed (also on any exception)."""
 
@@ -78,7 +59,7 @@ class Supervisor:
         self._env = dict(os.environ if env is None else env)
         self._stop_deadline_s = stop_deadline_s
         self.children: list[Child] = []
-        self._preexec = _death_signal_setter()
+        self._preexec = death_signal_setter(signal.SIGTERM)
 
     def start(self, name: str, argv: Sequence[str], log_path: Path) -> Child:
         log_path.parent.mkdir(parents=True, exist_ok=True)

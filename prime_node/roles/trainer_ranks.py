@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from prime_node.errors import NodeError
+from prime_node.parent_death import death_signal_setter
 
 if TYPE_CHECKING:
     from crypto.keys import WalletKey
@@ -53,7 +53,6 @@ SPEC_FILE = "launch.json"
 KEY_SOCKET = "key.sock"
 KEY_WAIT_S = 60.0
 """How long rank 0 waits for the launcher to answer with the key."""
-_PR_SET_PDEATHSIG = 1
 
 
 # -- what the launcher hands every rank -------------------------------------------------------------------
@@ -229,7 +228,7 @@ def run_torchrun(
             torchrun_command(module, args, nproc),
             env=torchrun_env(),
             start_new_session=True,  # terminal signals reach the launcher only; it decides what ranks get
-            preexec_fn=_death_signal_setter(signal.SIGTERM),  # noqa: PLW1509 (a dying launcher stops it)
+            preexec_fn=death_signal_setter(signal.SIGTERM),  # noqa: PLW1509 (a dying launcher stops it)
         )
         try:
             stops.forward_to(process.pid)
@@ -294,22 +293,6 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-
-
-def _death_signal_setter(signum: int) -> Callable[[], None] | None:
-    """A call that asks the kernel for ``signum`` when this process's parent dies (Linux; None
-    elsewhere). libc is looked up here, so the call is safe between fork and exec."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def set_death_signal() -> None:
-        prctl(_PR_SET_PDEATHSIG, signum)
-
-    return set_death_signal
 
 
 def launch_networked(spec: LaunchSpec, key: WalletKey, nproc: int) -> None:
@@ -410,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun gives each rank a process group of its own: if torchrun itself is killed, its ranks
     # should not live on. Rank 0 stops as on SIGTERM; the others hold nothing worth a clean exit.
     rank = int(os.environ.get("RANK", "0"))
-    set_death_signal = _death_signal_setter(signal.SIGTERM if rank == 0 else signal.SIGKILL)
+    set_death_signal = death_signal_setter(signal.SIGTERM if rank == 0 else signal.SIGKILL)
     if set_death_signal is not None:
         set_death_signal()
         if os.getppid() == 1:  # torchrun died before the request took effect
