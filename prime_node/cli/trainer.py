@@ -32,6 +32,10 @@ def run_trainer(
         Path | None, typer.Option("--output", help="Output directory (overrides output_dir).")
     ] = None,
     max_steps: Annotated[int | None, typer.Option("--max-steps", min=0, help="Override max_steps.")] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option("--dtype", help="Training compute dtype: bf16, fp32 or auto (overrides train_dtype)."),
+    ] = None,
     node: NodeFlags = DEFAULT_FLAGS,
     exit_when_done: Annotated[
         bool,
@@ -53,6 +57,8 @@ def run_trainer(
         overrides["output_dir"] = str(output)
     if max_steps is not None:
         overrides["max_steps"] = max_steps
+    if dtype is not None:
+        overrides["train_dtype"] = _train_dtype(dtype)
     run = load_run_config(config, overrides=overrides)  # fail fast, before spawning anything
     if not local:
         _networked(run, node, exit_when_done=exit_when_done, nproc=nproc)
@@ -83,6 +89,18 @@ def run_trainer(
     )
     for point in result.evals:
         typer.echo(json.dumps({"eval_step": point.step, "heldout_greedy_accuracy": point.accuracy}))
+
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+
+
+def _train_dtype(name: str) -> str:
+    """``--dtype``'s spelling as the run config's ``train_dtype`` (short or long names)."""
+    if name == "auto":
+        return name
+    if name not in _DTYPE_NAMES:
+        raise NodeError(f"--dtype {name!r}: use bf16, fp32 or auto", reason="bad_flag")
+    return _DTYPE_NAMES[name]
 
 
 def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int) -> None:

@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir")
     parser.add_argument("--output-dir")
     parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--train-dtype")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from prime_node.config import load_run_config
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
             ("model_dir", args.model_dir),
             ("output_dir", args.output_dir),
             ("max_steps", args.max_steps),
+            ("train_dtype", args.train_dtype),
         )
         if value is not None
     }

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from prime_node.ml.model import load_model
 
@@ -94,3 +97,26 @@ def test_run_trainer_local_and_filter_tasks(tiny_model_dir: Path, tmp_path: Path
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in kept.read_text().splitlines()]
     assert len(rows) == 6 and all(0 <= row["pass_rate"] <= 1 for row in rows)
+
+
+@pytest.mark.slow
+def test_run_trainer_dtype_flag_reaches_every_rank_and_refuses_unknown_names(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """--dtype bf16 goes through torchrun to each rank's run config (dist_entry would refuse an
+    argument it does not know); an unknown name is one line before anything starts. What bf16 compute
+    does to the gradient is tests/ml/test_fsdp.py's."""
+    config = tmp_path / "run.toml"
+    config.write_text(
+        "group_size = 4\nprompts_per_step = 2\nmax_new_tokens = 4\neval_tasks = 0\nthreads = 1\n"
+        "[length_reward]\ncoef = 1.0\ntarget_tokens = 2\n"
+    )
+    common = ["run-trainer", "--config", str(config), "--model", str(tiny_model_dir), "--local"]
+    wrong = _cli(*common, "--output", str(tmp_path / "wrong"), "--dtype", "fp16")
+    assert wrong.returncode == 1 and "--dtype 'fp16'" in wrong.stderr
+    assert wrong.stderr.strip().count("\n") == 0 and not (tmp_path / "wrong").exists()
+    out = tmp_path / "bf16"
+    done = _cli(*common, "--output", str(out), "--max-steps", "1", "--nproc", "2", "--dtype", "bf16")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["step"] == 1 and math.isfinite(metrics["loss"])
