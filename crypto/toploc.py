@@ -113,15 +113,16 @@ EngineKey = tuple[str, str]
 # float32 → float32: KV-cache generation vs one prefill pass was bit-exact at the bf16 top-128 level in
 # every honest chunk measured, on AVX2 and scalar kernels, 1 or 2 threads (worst mantissa mean 0.008); the
 # bounds leave room for other hardware. 1 %-perturbed weights: ≥ 10 exponent mismatches, mean ≥ 3.4.
-# A bfloat16 inferer (checked in bf16 or float32): honest worst 8–11 exponent mismatches, mantissa mean
-# ≤ 1.3, median ≤ 1 (calibration run of 150 batches, 1,196 chunks); 1 %-perturbed weights: mean ≥ 3.3,
+# A bfloat16 inferer checked in float32: honest worst 11 exponent mismatches, mantissa mean ≤ 1.65,
+# median ≤ 1 (1,000 batches, 7,962 chunks, native and scalar kernels); 1 %-perturbed weights: mean ≥ 2.9,
 # median ≥ 3. The exponent bound is loose (honest and perturbed overlap there); the mantissa bounds catch.
+# bfloat16 → bfloat16 is not listed: it met the goal on 1,000 batches with the same kernels but has only a
+# 150-batch run across kernel sets, short of the 1,000 a supported pair needs (docs/verification.md).
 _F32, _BF16 = ("torch", "float32"), ("torch", "bfloat16")
 _BF16_INFERER = Thresholds(max_exp_mismatches=24, max_mant_err_mean=2.0, max_mant_err_median=2.0)
 CALIBRATED_THRESHOLDS: Mapping[tuple[EngineKey, EngineKey], Thresholds] = MappingProxyType(
     {
         (_F32, _F32): Thresholds(max_exp_mismatches=8, max_mant_err_mean=2.0, max_mant_err_median=1.0),
-        (_BF16, _BF16): _BF16_INFERER,
         (_BF16, _F32): _BF16_INFERER,
     }
 )
