@@ -33,7 +33,10 @@ from protocol.names import NAME_RULE, is_valid_name
 PROTOCOL_NAME = "prime-node"
 NONCE_SIZE = 16
 MAX_DOMAIN_CHARS = 160
-MAX_PAYLOAD_BYTES = 8 << 20
+# Large enough for a rollout batch of real size (16 prompts x 16 samples x 4,096 tokens with proofs is
+# ~20-40 MiB); every transport bounds what it accepts far below this (gossip: 256 KiB, the data plane: the
+# run's max_rollout_batch_bytes), so this cap only says what a signature may cover.
+MAX_PAYLOAD_BYTES = 64 << 20
 _SIGNING_TAG = b"prime-node/envelope/v1"
 _DOMAIN = re.compile(r"^prime-node/(?P<version>[0-9]+)/(?P<kind>[a-z0-9._-]+)/(?P<run>[a-z0-9._-]+)$")
 

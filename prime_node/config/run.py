@@ -16,7 +16,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prime_node.errors import NodeError
+from protocol.envelope import Envelope
 from protocol.names import RUN_ID_PATTERN
+
+MAX_ROLLOUT_FRAME = Envelope.MAX_BYTES
+"""The largest sealed rollout batch the wire format carries (one envelope frame)."""
 
 ENV_PREFIX = "PRIME_NODE_RUN__"
 
@@ -138,6 +142,10 @@ class RunConfig(_Strict):
 
     async_level: int = Field(2, ge=0, le=16)
     """Staleness bound: rollouts from policy step >= current - async_level are accepted."""
+    max_rollout_batch_bytes: int = Field(MAX_ROLLOUT_FRAME, ge=1 << 10, le=MAX_ROLLOUT_FRAME)
+    """Largest sealed rollout-batch frame, in bytes: inferers refuse to publish a bigger one, validators
+    and the trainer refuse its announcement before fetching a byte (docs/verification.md, *Rollout
+    batches over the data plane*). At most the wire format's envelope cap."""
     local_inference: Literal["thread", "process"] = "process"
     """--local: generate in a child process (no GIL shared with training: measured faster), or in a
     thread of the trainer process."""
@@ -167,6 +175,15 @@ class RunConfig(_Strict):
     """Held-out tasks per evaluation."""
     keep_checkpoints: int = Field(0, ge=0)
     """Checkpoints kept on disk; never fewer than async_level + 1 (stale batches need their policy)."""
+    publish_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of the policies the trainer publishes to the swarm ("auto": ``inference_dtype``, what
+    inferers generate in). The trainer keeps its float32 master weights; bfloat16 halves the checkpoint
+    and makes consecutive policies mostly bit-identical, so deltas are small (docs/deltas.md)."""
+    delta_snapshot_every: int = Field(10, ge=1)
+    """Publish a full checkpoint every this many steps and a delta against the previous policy in
+    between (1: never deltas). A peer that missed too much fetches the newest full state."""
+    delta_max_share: float = Field(0.5, gt=0, le=1)
+    """A delta larger than this share of the full checkpoint is not published: the full one is."""
     trusted_validators: tuple[Annotated[str, Field(pattern=r"^0x[0-9a-fA-F]{40}$")], ...] = Field(
         (), max_length=64
     )
@@ -223,6 +240,11 @@ class RunConfig(_Strict):
     @property
     def samples_per_step(self) -> int:
         return self.group_size * self.prompts_per_step
+
+    @property
+    def published_dtype(self) -> Literal["float32", "bfloat16"]:
+        """dtype of the policies on the swarm (``publish_dtype`` with "auto" resolved)."""
+        return self.inference_dtype if self.publish_dtype == "auto" else self.publish_dtype
 
     @property
     def checkpoints_to_keep(self) -> int:

@@ -12,6 +12,10 @@ To avoid wasted work it produces at most ``batches_per_policy`` batches per poli
 batches are counted for the status section "rollouts" (and any rejection charges the worker, via
 ``ReputationService``, like on every node).
 
+A batch frame small enough for gossip rides it whole; a bigger one (up to the run's
+``max_rollout_batch_bytes``) is held by the service's ``BatchTransfer`` and announced, and validators and
+the trainer fetch it over the data plane (prime_node/verification/topics.py).
+
 What it publishes for each batch comes from a ``RolloutProducer``: ``HonestProducer`` unless whoever
 builds the service passes another one — the demo's cheating inferer passes a ``CheatingProducer``
 (prime_node/verification/cheating.py), whose every batch validators must reject.
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
     from prime_node.node.context import NodeContext
     from prime_node.node.gossip import Delivered
     from prime_node.tasks.base import TaskSource
+    from prime_node.verification.batch_transfer import BatchTransfer
 
 log = logging.getLogger(__name__)
 MAX_TRACKED_BATCHES = 4096
@@ -174,6 +179,8 @@ class InfererService:
         self._tokenizer: Any = None
         self._task: Any = None
         self._reputation: Any = None
+        self.transfer: BatchTransfer | None = None
+        """Serves this inferer's large batches over the data plane (built when the service runs)."""
 
     def status(self) -> dict[str, Any]:
         return {
@@ -189,9 +196,11 @@ class InfererService:
             "errors": dict(self.errors),
             "adversary": self.producer.adversary,
             "stages": self.stages.summary(),
+            "transfer": self.transfer.status() if self.transfer is not None else {},
         }
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings, member_host
         from prime_node.verification.reputation import ReputationService
         from prime_node.verification.topics import VERDICTS_TOPIC
 
@@ -200,7 +209,20 @@ class InfererService:
             self._reputation = ReputationService(run_config=self.config)
             self._reputation.attach(context)  # charges offenders; this service reads the verdicts itself
             await context.gossip.subscribe(VERDICTS_TOPIC, self.on_verdict)
-        task_status.started()
+        # Hold enough of our own batches for every one still awaiting its verdicts and the trainer.
+        hold = max(4, 2 * self.max_in_flight) * self.config.max_rollout_batch_bytes
+        self.transfer = BatchTransfer(
+            self.key,
+            host_of=lambda address: member_host(context, address),
+            settings=TransferSettings(hold_bytes=hold),
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.transfer.run)
+            task_status.started()
+            await self._produce(context)
+
+    async def _produce(self, context: NodeContext) -> None:
+        """Switch to the newest policy, generate, publish; forever (module doc)."""
         step, path = await self.swarm.wait_newer(None)
         await trio.to_thread.run_sync(self._load, step, path)
         counter = context.clock.wall_ms()
@@ -280,7 +302,9 @@ class InfererService:
 
         for frame in frames:
             try:
-                batch_id = await publish_frame(context, frame)
+                batch_id = await publish_frame(
+                    context, frame, transfer=self.transfer, max_size=self.config.max_rollout_batch_bytes
+                )
             except NodeError as exc:
                 self.errors[exc.reason] += 1
                 log.warning("rollout batch not published: %s", exc)

@@ -340,8 +340,16 @@ class RoleRunner:
             await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
 
     async def _on_rollout(self, message: Delivered) -> None:
+        """Count a new rollout batch: a gossiped batch, or a worker's own offer of one that moves over the
+        data plane (peers that re-announce a batch they fetched do not make it a new one)."""
         from crypto.digests import blake3
+        from protocol.rollout_transfer import read_announcement
 
+        announcement = read_announcement(message.payload)
+        if announcement is not None:
+            if announcement.worker == message.origin:
+                self.meter.rollout(announcement.batch_id, trio.current_time())
+            return
         self.meter.rollout(blake3(message.payload), trio.current_time())
 
     async def _on_verdict(self, message: Delivered) -> None:

@@ -14,6 +14,14 @@ with different secret keys cover different groups, and a group no trusted valida
 scored (a code task would execute it) nor trained on. An accepting quorum that verified no group hands
 out nothing (``counts["nothing_verified"]``).
 
+A batch too big for gossip arrives as a ``RolloutAnnouncement`` (protocol/rollout_transfer.py): the
+offer is kept (bounded like the frames; refused if it is not its worker's, not of this run, or over the
+run's ``max_rollout_batch_bytes``) and its bytes are fetched over the data plane only once an accepting
+quorum is in, usually from the validators that judged it (they re-announce what they hold), so the
+trainer downloads nothing a validator rejected, and at most ``fetch_ahead`` of them are fetched or
+ready but not yet taken by ``next_accepted``. The fetched frame is checked against the id, decoded and
+settled like a gossiped one; the trainer then re-serves it from its ``BatchTransfer``.
+
 It also does the reputation work on the trainer node (rejections charge the worker's peer), so the
 trainer needs no separate ``ReputationService``.
 """
@@ -32,12 +40,15 @@ from crypto.keys import Address
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission import VerdictBook
+from prime_node.verification.batch_transfer import BatchTransfer, member_host
 from prime_node.verification.reputation import ReputationService
 from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
 from protocol.codec import decode
 from protocol.envelope import Envelope
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.rollout_transfer import Holder, RolloutAnnouncement, read_announcement, screen_announcement
 from protocol.rollouts import RolloutBatch
+from protocol.scoring import Offence
 from protocol.verdict import Verdict
 
 if TYPE_CHECKING:
@@ -71,15 +82,26 @@ class AcceptedBatch:
 class AdmissionService:
     """Rollouts and verdicts in; ``next_accepted()`` out (module doc)."""
 
-    def __init__(self, *, run_config: RunConfig, capacity: int = 256, penalise: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        run_config: RunConfig,
+        capacity: int = 256,
+        penalise: bool = True,
+        transfer: BatchTransfer | None = None,
+        fetch_ahead: int = 4,
+    ) -> None:
         if not run_config.trusted_validators:
             raise NodeError(
                 "the run config lists no trusted_validators: a networked trainer only trains on batches "
                 "accepted by validators it names (add their addresses to the run config)",
                 reason="no_trusted_validators",
             )
-        if capacity < 1:
-            raise ValueError("capacity must be positive")
+        if capacity < 1 or fetch_ahead < 1:
+            raise ValueError("capacity and fetch_ahead must be positive")
+        self.fetch_ahead = fetch_ahead
+        """Accepted, announced batches fetched or being fetched but not yet taken by ``next_accepted``:
+        beyond it the next waits, so a slow trainer does not pull in more bytes than it can use."""
         self.run_config = run_config
         self.capacity = capacity
         self.penalise = penalise
@@ -97,21 +119,39 @@ class AdmissionService:
         self._wakeup = trio.Event()
         self._arrived_at: dict[bytes, float] = {}
         self.stages = StageTimes()
+        self.transfer = transfer
+        """Fetches announced batches once accepted (None: one of its own, built when it runs)."""
+        self._offers: OrderedDict[bytes, tuple[RolloutAnnouncement, Delivered]] = OrderedDict()
+        self._fetching: set[bytes] = set()
+        self._to_fetch: OrderedDict[bytes, None] = OrderedDict()  # admitted offers waiting for room
         self._context: NodeContext | None = None
+        self._nursery: trio.Nursery | None = None
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self._context = context
         self.reputation.attach(context)
-        await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
-        await context.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
-        task_status.started()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if self.transfer is None:
+                self.transfer = BatchTransfer(
+                    context.key,
+                    host_of=lambda address: member_host(context, address),
+                    on_bad_bytes=self._bad_bytes,
+                )
+            if not self.transfer.running:
+                await nursery.start(self.transfer.run)
+            await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
+            await context.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
+            task_status.started()
 
     async def next_accepted(self) -> AcceptedBatch:
         """The next batch an accepting quorum of trusted validators vouched for (waits for one)."""
         while not self._ready:
             self._wakeup = trio.Event()
             await self._wakeup.wait()
-        return self._ready.popleft()
+        accepted = self._ready.popleft()
+        self._pump()
+        return accepted
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -125,6 +165,10 @@ class AdmissionService:
             "nothing_verified": self.counts["nothing_verified"],
             "untrusted_verdicts": self.reputation.counts["verdicts_ignored_untrusted_validator"],
             "stages": self.stages.summary(),
+            "offers": len(self._offers),
+            "fetching": len(self._fetching),
+            "waiting_to_fetch": len(self._to_fetch),
+            "transfer": self.transfer.status() if self.transfer is not None else {},
         }
 
     # -- handlers ---------------------------------------------------------------------------------------
@@ -133,11 +177,75 @@ class AdmissionService:
         if self.reputation.worker_banned(message.origin):
             self.counts["dropped_banned"] += 1
             return
-        batch_id = blake3(message.payload)
+        announcement = read_announcement(message.payload)
+        if announcement is not None:
+            self._on_batch_announcement(message, announcement)
+            return
+        self._take_frame(message.payload, message)
+
+    def _on_batch_announcement(self, message: Delivered, announcement: RolloutAnnouncement) -> None:
+        """Keep a valid offer (and every holder heard) until a quorum makes the batch worth fetching."""
+        assert self.transfer is not None
+        batch_id = announcement.batch_id
+        if not self.transfer.heard(announcement, message.origin, message.origin_peer_id):
+            return  # a re-server (now a known holder), or an offer heard before
         if batch_id in self._settled or batch_id in self._frames:
             return
         try:
-            envelope = decode(message.payload, Envelope)
+            screen_announcement(
+                announcement,
+                origin=message.origin,
+                run_id=self.run_config.run_id,
+                max_size=self.run_config.max_rollout_batch_bytes,
+            )
+        except RemoteProtocolError as exc:
+            self.counts["refused_announcements"] += 1
+            log.info("refused a rollout announcement from %s: %s", message.origin, exc)
+            return
+        self.reputation.learn(message.origin, message.origin_peer_id)
+        self._offers[batch_id] = (announcement, message)
+        self._arrived_at[batch_id] = trio.current_time()
+        while len(self._offers) > self.capacity:
+            forgotten, _ = self._offers.popitem(last=False)
+            self._arrived_at.pop(forgotten, None)
+            self._to_fetch.pop(forgotten, None)
+            self.transfer.book.forget(forgotten)
+            self.counts["dropped_frames"] += 1
+        self._settle(batch_id)
+
+    async def _fetch(self, announcement: RolloutAnnouncement, message: Delivered) -> None:
+        assert self.transfer is not None
+        batch_id = announcement.batch_id
+        frame: bytes | None = None
+        try:
+            fetching = trio.current_time()
+            frame = await self.transfer.fetch(batch_id, announcement.size)
+            self.stages.add("fetch", trio.current_time() - fetching)
+        finally:
+            self._fetching.discard(batch_id)
+            self._offers.pop(batch_id, None)
+            if frame is None:
+                self.counts["fetch_failed"] += 1
+                self._arrived_at.pop(batch_id, None)
+            else:
+                self._take_frame(frame, message, announced=announcement)
+            self._pump()
+
+    def _bad_bytes(self, holder: Holder, reason: str) -> None:
+        """A peer sent bytes that are not the batch it was asked for: BAD_DATA (protocol/scoring.py)."""
+        self.counts["bad_bytes"] += 1
+        if self._context is not None:
+            self._context.policy.offence(holder.peer_id, Offence.BAD_DATA, f"rollout batch bytes: {reason}")
+
+    def _take_frame(
+        self, frame: bytes, message: Delivered, *, announced: RolloutAnnouncement | None = None
+    ) -> None:
+        """A whole frame, gossiped or fetched (already checked against its id): decode it, then settle."""
+        batch_id = blake3(frame) if announced is None else announced.batch_id
+        if batch_id in self._settled or batch_id in self._frames:
+            return
+        try:
+            envelope = decode(frame, Envelope)
             batch = decode(envelope.payload, RolloutBatch)
         except ProtocolError as exc:
             self.counts["malformed_frames"] += 1
@@ -146,10 +254,16 @@ class AdmissionService:
         if envelope.signer != batch.worker or batch.run_id != self.run_config.run_id:
             self.counts["malformed_frames"] += 1
             return
+        if announced is not None and (batch.worker, batch.policy_step) != (
+            announced.worker,
+            announced.policy_step,
+        ):
+            self.counts["malformed_frames"] += 1
+            return
         self.reputation.learn(message.origin, message.origin_peer_id)
         self._delivered("rollout_delivery", message)
         self._frames[batch_id] = batch
-        self._arrived_at[batch_id] = trio.current_time()
+        self._arrived_at.setdefault(batch_id, trio.current_time())
         while len(self._frames) > self.capacity:
             forgotten, _ = self._frames.popitem(last=False)
             self._verified.pop(forgotten, None)
@@ -178,6 +292,9 @@ class AdmissionService:
         if self.book.rejected(batch_id):
             self._mark(batch_id, handed_out=False)
             self._frames.pop(batch_id, None)
+            self._to_fetch.pop(batch_id, None)
+            if self._offers.pop(batch_id, None) is not None and self.transfer is not None:
+                self.transfer.book.forget(batch_id)
             self._verified.pop(batch_id, None)
             self._arrived_at.pop(batch_id, None)
             self.counts["rejected"] += 1
@@ -186,6 +303,8 @@ class AdmissionService:
                 self.rejected_by_reason[reason] += 1
             return
         batch = self._frames.get(batch_id)
+        if batch is None and batch_id in self._offers and self.book.admitted(batch_id):
+            self._start_fetch(batch_id)
         if batch is None or not self.book.admitted(batch_id):
             return
         del self._frames[batch_id]
@@ -217,6 +336,24 @@ class AdmissionService:
             self._ready.popleft()
             self.counts["dropped_ready"] += 1
         self._wakeup.set()
+
+    def _start_fetch(self, batch_id: bytes) -> None:
+        if batch_id in self._fetching or self._nursery is None:
+            return
+        if len(self._fetching) + len(self._ready) >= self.fetch_ahead:
+            self._to_fetch[batch_id] = None  # ``_pump`` starts it once the trainer has taken some
+            return
+        self._to_fetch.pop(batch_id, None)
+        self._fetching.add(batch_id)
+        announcement, message = self._offers[batch_id]
+        self._nursery.start_soon(self._fetch, announcement, message)
+
+    def _pump(self) -> None:
+        """Start waiting fetches while there is room (``fetch_ahead``)."""
+        while self._to_fetch and len(self._fetching) + len(self._ready) < self.fetch_ahead:
+            batch_id, _ = self._to_fetch.popitem(last=False)
+            if batch_id in self._offers and batch_id not in self._settled:
+                self._start_fetch(batch_id)
 
     def _record_verified(self, verdict: Verdict) -> None:
         """Add an accepting verdict's verified groups (with its rewards, when they line up) to its batch's."""

@@ -13,12 +13,20 @@ one batch at a time with ``Judge`` in a worker thread (model forward passes must
 loop) and gossips each signed verdict on ``verdicts``. A frame the pipeline rejects without a verdict to
 name its worker (a replay, a body that does not decode) is charged to its sender here too.
 
+A batch too big for gossip arrives as a ``RolloutAnnouncement`` (protocol/rollout_transfer.py): it is
+refused before any byte moves if it is not its worker's, not of this run, over the run's
+``max_rollout_batch_bytes`` or for a policy too far ahead; otherwise the service's ``BatchTransfer``
+fetches it over the data plane (at most ``queue_size`` fetches pending), checks it against the id, and
+the frame then takes exactly the path of a gossiped one (screening, queues, judging, replay check). The
+validator re-announces what it fetched, so peers may fetch it from here instead of from the worker.
+
 Also importable from here: ``publish_batch`` (inferer), ``AdmissionService`` (trainer),
 ``ReputationService`` (any role), the topic names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections import Counter, deque
@@ -34,6 +42,7 @@ from crypto.keys import Address, WalletKey
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission_service import AcceptedBatch, AdmissionService
+from prime_node.verification.batch_transfer import BatchTransfer, member_host
 from prime_node.verification.proving import rollout_domain
 from prime_node.verification.reasons import Reason
 from prime_node.verification.reputation import ReputationService
@@ -48,7 +57,14 @@ from protocol.codec import decode, encode
 from protocol.envelope import Envelope, FreshnessWindow
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.fair_queue import FairQueue
-from protocol.rollout_screen import FUTURE_POLICY, offence_for, screen_rollout
+from protocol.rollout_screen import FUTURE_POLICY, MALFORMED_BATCH, offence_for, screen_rollout
+from protocol.rollout_transfer import (
+    Holder,
+    RolloutAnnouncement,
+    read_announcement,
+    screen_announcement,
+)
+from protocol.scoring import Offence
 from protocol.swarm.messages import Announce
 from protocol.topics import CHECKPOINTS_TOPIC
 from protocol.waiting_room import Waiting, WaitingRoom
@@ -108,10 +124,20 @@ class ValidatorSettings:
     """Fallback poll for arrived checkpoints (the weight swarm normally wakes the waiting batches)."""
     keep_policies: int = 3
     """Policy engines kept loaded (the run's async level + 1 covers every step a batch may claim)."""
+    max_held_bytes: int = 1 << 30
+    """Frames queued, waiting, being judged or being fetched, in bytes, all together: a batch announced
+    while they would pass it is not fetched (counted in ``dropped_backlog``). Gossiped frames (≤ 256 KiB
+    each) are bounded by the queue sizes."""
     check_policy: CheckPolicy = field(default_factory=CheckPolicy)
 
     def __post_init__(self) -> None:
-        sizes = (self.queue_size, self.per_worker_queue, self.waiting_size, self.per_worker_waiting)
+        sizes = (
+            self.queue_size,
+            self.per_worker_queue,
+            self.waiting_size,
+            self.per_worker_waiting,
+            self.max_held_bytes,
+        )
         if min(sizes) < 1 or self.policy_wait_s < 0 or self.poll_s <= 0 or self.future_steps < 0:
             raise ValueError("queue sizes must be positive, waits and future_steps non-negative")
 
@@ -141,9 +167,15 @@ class ValidatorService:
         tokenizer: Any = None,
         policies_changed: Callable[[], Awaitable[object]] | None = None,
         settings: ValidatorSettings | None = None,
+        transfer: BatchTransfer | None = None,
     ) -> None:
         settings = settings or ValidatorSettings()
         self.key = key
+        self.transfer = transfer
+        """Fetches announced batches and re-serves them (None: one of its own, built when it runs)."""
+        self._fetches_pending = 0
+        self._held_bytes = 0
+        """Bytes of the frames this service holds or is fetching (``ValidatorSettings.max_held_bytes``)."""
         self.run_config = run_config
         self.locate = locate
         self.current_step = current_step
@@ -177,6 +209,7 @@ class ValidatorService:
         self._judge: Judge | None = None
         self._engines: PolicyEngines | None = None
         self._context: NodeContext | None = None
+        self._nursery: trio.Nursery | None = None
 
     @property
     def context(self) -> NodeContext:
@@ -189,11 +222,20 @@ class ValidatorService:
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self._context = context
         await trio.to_thread.run_sync(self._build_judge)
-        if self.trainer is not None:
-            await context.gossip.subscribe(CHECKPOINTS_TOPIC, self._on_announce)
-        await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
-        context.add_status_section("validation", self.status)
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if self.transfer is None:
+                self.transfer = BatchTransfer(
+                    self.key,
+                    host_of=lambda address: member_host(context, address),
+                    on_bad_bytes=self._bad_bytes,
+                )
+            if not self.transfer.running:
+                await nursery.start(self.transfer.run)
+            if self.trainer is not None:
+                await context.gossip.subscribe(CHECKPOINTS_TOPIC, self._on_announce)
+            await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
+            context.add_status_section("validation", self.status)
             nursery.start_soon(self._release_loop)
             task_status.started()
             await self._check_loop(context)
@@ -205,14 +247,17 @@ class ValidatorService:
                 self._arrived = trio.Event()
                 await self._arrived.wait()
             _, item = self._queue.pop()
-            if self.reputation is not None and self.reputation.worker_banned(item.origin):
-                self.counts["dropped_banned"] += 1
-                continue
-            self._busy = True
             try:
-                await self._validate(context, item)
+                if self.reputation is not None and self.reputation.worker_banned(item.origin):
+                    self.counts["dropped_banned"] += 1
+                    continue
+                self._busy = True
+                try:
+                    await self._validate(context, item)
+                finally:
+                    self._busy = False
             finally:
-                self._busy = False
+                self._held_bytes -= len(item.frame)
 
     def status(self) -> dict[str, Any]:
         validated = self.counts["validated"]
@@ -230,6 +275,9 @@ class ValidatorService:
             "dropped_banned": self.counts["dropped_banned"],
             "policy_wait_timeouts": self.counts["policy_wait_timeouts"],
             "stages": self.stages.summary(),
+            "fetches_pending": self._fetches_pending,
+            "held_bytes": self._held_bytes,
+            "transfer": self.transfer.status() if self.transfer is not None else {},
         }
 
     def published_step(self) -> int:
@@ -251,16 +299,87 @@ class ValidatorService:
     # -- arrival ----------------------------------------------------------------------------------------
 
     async def _on_rollout(self, message: Delivered) -> None:
+        if self.reputation is not None and self.reputation.worker_banned(message.origin):
+            self.counts["dropped_banned"] += 1
+            return
+        announcement = read_announcement(message.payload)
+        if announcement is not None:
+            self._on_batch_announcement(message, announcement)
+            return
         if self.reputation is not None:
-            if self.reputation.worker_banned(message.origin):
-                self.counts["dropped_banned"] += 1
-                return
             self.reputation.learn(message.origin, message.origin_peer_id)
+        self._arrive(message.payload, message)
+
+    def _on_batch_announcement(self, message: Delivered, announcement: RolloutAnnouncement) -> None:
+        """A batch announced on gossip: refuse it or fetch it in the background (module doc)."""
+        assert self.transfer is not None and self._nursery is not None
+        if not self.transfer.heard(announcement, message.origin, message.origin_peer_id):
+            return  # a re-server's announcement (now a known holder), or an offer heard before
+        try:
+            screen_announcement(
+                announcement,
+                origin=message.origin,
+                run_id=self.run_config.run_id,
+                max_size=self.run_config.max_rollout_batch_bytes,
+                newest_step=self.published_step(),
+                future_steps=self.settings.future_steps,
+            )
+        except RemoteProtocolError as exc:
+            self.transfer.book.forget(announcement.batch_id)
+            self._refuse_id(
+                announcement.batch_id, message.origin, message.origin_peer_id, exc.reason, str(exc)
+            )
+            return
+        if self.reputation is not None:
+            self.reputation.learn(message.origin, message.origin_peer_id)
+        held = self._held_bytes + announcement.size
+        if self._fetches_pending >= self.settings.queue_size or held > self.settings.max_held_bytes:
+            self.counts["dropped_backlog"] += 1
+            return
+        self._fetches_pending += 1
+        self._held_bytes += announcement.size  # reserved now: the frame is this size or refused
+        self._nursery.start_soon(self._fetch, message, announcement)
+
+    async def _fetch(self, message: Delivered, announcement: RolloutAnnouncement) -> None:
+        assert self.transfer is not None
+        try:
+            fetching = trio.current_time()
+            frame = await self.transfer.fetch(announcement.batch_id, announcement.size)
+            self.stages.add("fetch", trio.current_time() - fetching)
+        finally:
+            self._fetches_pending -= 1
+            self._held_bytes -= announcement.size  # _arrive counts the frame again if it keeps it
+        if frame is None:
+            self.counts["fetch_failed"] += 1
+            return
+        if self._arrive(frame, message, announced=announcement):
+            await self._reannounce(announcement)
+
+    async def _reannounce(self, announcement: RolloutAnnouncement) -> None:
+        """Tell peers this node holds the batch now (they may fetch it here instead of from the worker)."""
+        assert self.transfer is not None
+        try:
+            await self.context.gossip.publish(
+                ROLLOUTS_TOPIC, encode(dataclasses.replace(announcement, port=self.transfer.port))
+            )
+        except NodeError as exc:
+            log.info("batch %s not re-announced: %s", announcement.batch_id.hex()[:16], exc)
+
+    def _bad_bytes(self, holder: Holder, reason: str) -> None:
+        """A peer sent bytes that are not the batch it was asked for: BAD_DATA (protocol/scoring.py)."""
+        self.counts["charged"] += 1
+        self.context.policy.offence(holder.peer_id, Offence.BAD_DATA, f"rollout batch bytes: {reason}")
+
+    def _arrive(
+        self, frame: bytes, message: Delivered, *, announced: RolloutAnnouncement | None = None
+    ) -> bool:
+        """A whole frame from ``message``'s origin (gossiped, or fetched for its announcement): screen it,
+        then queue it or park it until its policy arrives. False if it was refused."""
         context = self.context
         self.stages.add("delivery", (context.clock.wall_ms() - message.timestamp_ms) / 1000)
         try:
             screened = screen_rollout(
-                message.payload,
+                frame,
                 domain=self.domain,
                 window=self.window,
                 sender=message.origin,
@@ -269,23 +388,34 @@ class ValidatorService:
                 future_steps=self.settings.future_steps,
                 now_ms=context.clock.wall_ms(),
             )
+            header = screened.header
+            if announced is not None and (header.policy_step, header.batch_counter) != (
+                announced.policy_step,
+                announced.batch_counter,
+            ):
+                raise RemoteProtocolError(
+                    "the batch is not the one its worker announced", reason=MALFORMED_BATCH
+                )
         except RemoteProtocolError as exc:
-            self._refuse(message.payload, message.origin, message.origin_peer_id, exc.reason, str(exc))
-            return
+            self._refuse(frame, message.origin, message.origin_peer_id, exc.reason, str(exc))
+            return False
         now = trio.current_time()
         step = screened.header.policy_step
-        item = _Queued(message.payload, message.origin, message.origin_peer_id, step, now)
+        item = _Queued(frame, message.origin, message.origin_peer_id, step, now)
+        self._held_bytes += len(frame)
         if self._ready(step):
             self._enqueue(item)
-            return
+            return True
         for dropped in self._waiting.park(
             item.origin, step, item, now=now, deadline=now + self.policy_wait_s
         ):
+            self._held_bytes -= len(dropped.item.frame)
             self.counts["dropped_waiting"] += 1
             log.debug(
                 "dropped a batch of %s waiting for policy %d (wait list full)", dropped.key, dropped.step
             )
         self._parked.set()
+        return True
 
     def _ready(self, step: int) -> bool:
         """Whether a batch of ``step`` can be judged now: its checkpoint is held, or it is already too old
@@ -300,6 +430,7 @@ class ValidatorService:
 
     def _enqueue(self, item: _Queued) -> None:
         for dropped in self._queue.push(item.origin, item):
+            self._held_bytes -= len(dropped.frame)
             self.counts["dropped_backlog"] += 1
             log.debug("dropped a queued batch of %s (its queue is full)", dropped.origin)
         self._arrived.set()
@@ -307,10 +438,13 @@ class ValidatorService:
     def _refuse(self, frame: bytes, origin: Address, peer_id: str, reason: str, detail: str) -> None:
         """Record a frame refused before judging, and charge the peer that sent it."""
         code = str(Reason(reason)) if reason in Reason._value2member_map_ else str(Reason.MALFORMED_ENVELOPE)
+        self._refuse_id(blake3(frame), origin, peer_id, code, detail)
+
+    def _refuse_id(self, batch_id: bytes, origin: Address, peer_id: str, code: str, detail: str) -> None:
         self.counts["refused_on_arrival"] += 1
         self.rejected[code] += 1
-        self.recent.append(Judged(blake3(frame), None, False, (code,), False))
-        log.info("refused a rollout frame from %s: %s", origin, detail)
+        self.recent.append(Judged(batch_id, None, False, (code,), False))
+        log.info("refused a rollout batch from %s: %s", origin, detail)
         self._charge(peer_id, code)
 
     def _charge(self, peer_id: str, reason: str) -> None:
@@ -347,6 +481,7 @@ class ValidatorService:
             self.counts["policy_wait_timeouts"] += 1
             if waiting.step > published:  # the trainer never published it: no honest worker could hold it
                 item = waiting.item
+                self._held_bytes -= len(item.frame)
                 detail = f"policy {waiting.step} never published within {self.policy_wait_s:.0f} s"
                 self._refuse(item.frame, item.origin, item.origin_peer_id, FUTURE_POLICY, detail)
             else:  # published, but this node does not hold it: the pipeline answers unknown_policy
