@@ -14,6 +14,11 @@ absolute, contain ``..`` or odd characters, name a device Windows reserves (``CO
 with a dot, repeat (also case-insensitively, for case-folding file
 systems) or put a file "inside" another file; offsets that leave gaps or overlap; a piece count or root
 that does not match; sizes beyond the caps below.
+
+A manifest is either FULL (``base`` and ``target`` empty: the files are the checkpoint itself) or a DELTA
+(both 32 bytes): its one file ``weights.delta`` turns the full version ``base`` (a manifest id) into the
+full version ``target``, whose own signed manifest carries the piece hashes the reconstruction is checked
+against, so a peer verifies what it rebuilds.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ MAX_COMPONENT_CHARS = 128
 MAX_PATH_DEPTH = 8
 MAX_TOTAL_SIZE = MAX_PIECES * MAX_PIECE_SIZE
 MAX_MANIFEST_BYTES = MAX_PIECES * DIGEST_SIZE + MAX_FILES * (MAX_PATH_CHARS + 32) + 4096
+DELTA_FILE_NAME = "weights.delta"
+"""The one file of a delta version (its format: prime_node/swarm/delta_codec.py)."""
 _ROOT_TAG = b"prime-node/swarm/root/v1"
 _COMPONENT = re.compile(r"^[A-Za-z0-9._+=@,-]+$")
 # Device names Windows reserves in every directory, with or without an extension ("nul.txt" opens the
@@ -112,9 +119,14 @@ class Manifest(Message):
     piece_hashes: Annotated[bytes, MaxLen(MAX_PIECES * DIGEST_SIZE)]
     root: Annotated[bytes, ExactLen(DIGEST_SIZE)]
     signer: Address
+    base: Annotated[bytes, MaxLen(DIGEST_SIZE)] = b""
+    """Delta only: the id of the full manifest the delta applies to."""
+    target: Annotated[bytes, MaxLen(DIGEST_SIZE)] = b""
+    """Delta only: the id of the full manifest the delta produces."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run, label="run")
+        self._check_delta_fields()
         if self.piece_size & (self.piece_size - 1):
             raise InvariantError(f"piece size {self.piece_size} is not a power of two", reason="bad_manifest")
         if len(self.piece_hashes) != piece_count_for(self.total_size, self.piece_size) * DIGEST_SIZE:
@@ -162,6 +174,23 @@ class Manifest(Message):
         if self.root != piece_root(self.piece_size, self.total_size, self.piece_hashes):
             raise InvariantError("root does not match the piece hashes", reason="bad_manifest")
 
+    def _check_delta_fields(self) -> None:
+        if not self.base and not self.target:
+            return
+        if len(self.base) != DIGEST_SIZE or len(self.target) != DIGEST_SIZE:
+            raise InvariantError(
+                "a delta names both its base and its target (32-byte manifest ids)", reason="bad_manifest"
+            )
+        if self.base == self.target:
+            raise InvariantError("a delta's base and target are the same version", reason="bad_manifest")
+        if len(self.files) != 1 or self.files[0].path != DELTA_FILE_NAME:
+            raise InvariantError(f"a delta holds exactly one file, {DELTA_FILE_NAME}", reason="bad_manifest")
+
+    @property
+    def is_delta(self) -> bool:
+        """Does this version hold a delta (``base`` to ``target``) rather than a checkpoint?"""
+        return bool(self.base)
+
     @property
     def piece_count(self) -> int:
         return len(self.piece_hashes) // DIGEST_SIZE
@@ -197,8 +226,11 @@ def build_manifest(
     files: list[tuple[str, int]],
     piece_hashes: bytes,
     signer: Address,
+    base: bytes = b"",
+    target: bytes = b"",
 ) -> Manifest:
-    """A manifest for ``files`` (path, size) in path order; offsets and the root are derived here."""
+    """A manifest for ``files`` (path, size) in path order; offsets and the root are derived here.
+    ``base``/``target``: the full manifest ids a delta version turns one into the other (else empty)."""
     entries = []
     offset = 0
     for path, size in sorted(files):
@@ -213,6 +245,8 @@ def build_manifest(
         piece_hashes=piece_hashes,
         root=piece_root(piece_size, offset, piece_hashes),
         signer=signer,
+        base=base,
+        target=target,
     )
 
 

@@ -34,12 +34,14 @@ from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
 from prime_node.roles.gather import STALE_IN_QUEUE, Candidate, StepGatherer
+from prime_node.roles.publish_stats import PublishStats
 
 if TYPE_CHECKING:
     from prime_node.ml.distributed import DistInfo
     from prime_node.ml.session import TrainingSession, Weights
     from prime_node.ml.trainer import Prepared, StepMetrics
     from prime_node.node.context import NodeContext
+    from prime_node.swarm.delta_versions import Published
     from protocol.rollouts import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -54,9 +56,17 @@ POLICY_FILES = (
 
 
 class Sharer(Protocol):
-    """The part of the weight swarm the trainer uses."""
+    """The part of the weight swarm the trainer uses (``prime_node.swarm.service.SwarmService``)."""
 
-    async def share(self, directory: Path, *, step: int) -> Any: ...
+    async def publish(
+        self,
+        directory: Path,
+        *,
+        step: int,
+        delta_base: Path | None = None,
+        snapshot: bool = False,
+        max_delta_share: float = 0.5,
+    ) -> Published: ...
 
 
 class AcceptedSource(Protocol):
@@ -154,6 +164,9 @@ class TrainerService:
         self.rejected: Counter[str] = Counter()
         self.by_worker: Counter[str] = Counter()
         self.checkpoints_shared = 0
+        self.publishing = PublishStats()
+        self._last_published: Path | None = None
+        """The previous policy directory the swarm holds: the base of the next delta."""
         self.timing = Timing()
         self.stages = StageTimes()
         self.started_at = 0.0
@@ -191,6 +204,7 @@ class TrainerService:
             "batches_rejected": dict(rejected),
             "accepted_by_worker": dict(self.by_worker),
             "checkpoints_shared": self.checkpoints_shared,
+            "publishing": self.publishing.summary(),
             "queued": len(self.gatherer),
             "steps_per_s": round(rate, 3),
             "time_s": {k: round(v, 2) for k, v in asdict(self.timing).items()},
@@ -361,10 +375,20 @@ class TrainerService:
         for name in POLICY_FILES:
             if (self.base / name).is_file():
                 shutil.copyfile(self.base / name, tmp / name)
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(self._published(weights), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.replace(tmp, final)
         self._prune_policies(root, step)
         return final
+
+    def _published(self, weights: Weights) -> Weights:
+        """The weights in the run's publish dtype (floating tensors only; the master copy stays float32)."""
+        import torch
+
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.config.published_dtype]
+        return {
+            name: tensor.to(dtype).contiguous() if tensor.is_floating_point() else tensor
+            for name, tensor in weights.items()
+        }
 
     def _prune_policies(self, root: Path, newest: int) -> None:
         keep = self.config.checkpoints_to_keep + 2  # peers may still fetch what they were told about
@@ -374,12 +398,31 @@ class TrainerService:
                 shutil.rmtree(item, ignore_errors=True)
 
     async def _share(self, directory: Path, step: int) -> None:
+        """Publish policy ``step``: a delta against the previous policy, or a full snapshot every
+        ``delta_snapshot_every`` steps and whenever the delta would not be small (the swarm decides)."""
+        snapshot = self._last_published is None or step % self.config.delta_snapshot_every == 0
         try:
-            await self.swarm.share(directory, step=step)
+            published = await self.swarm.publish(
+                directory,
+                step=step,
+                delta_base=self._last_published,
+                snapshot=snapshot,
+                max_delta_share=self.config.delta_max_share,
+            )
         except NodeError as exc:
             log.warning("sharing policy %d failed: %s", step, exc)
             return
+        self._last_published = directory
         self.checkpoints_shared += 1
+        self.publishing.add(published)
+        log.info(
+            "policy %d published as %s (%s): %d bytes on the wire of %d",
+            step,
+            "a delta" if published.delta is not None else "a full checkpoint",
+            published.reason,
+            published.delta_bytes if published.delta is not None else published.full_bytes,
+            published.full_bytes,
+        )
 
     # -- held-out evaluation -------------------------------------------------------------------------
 

@@ -145,7 +145,7 @@ class VersionExchange:
             else:
                 log.warning("could not fetch checkpoint %s: %s", mid.hex()[:16], error)
             return
-        self.holdings.known[mid] = envelope
+        self.holdings.learn(mid, envelope, manifest)
         if wait is not None:
             wait.result = (envelope, manifest)
             wait.found.set()

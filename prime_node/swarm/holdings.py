@@ -1,6 +1,10 @@
 """The checkpoint versions a node holds or fetches: their transfers, stores and files, and the reads on
 them (``locate``, ``newest``, waiting for a newer one). Which versions to hold is the catalogue's call
-(protocol/swarm/catalogue.py); this module only does what it is told, on disk and in memory."""
+(protocol/swarm/catalogue.py); this module only does what it is told, on disk and in memory.
+
+Delta versions (a ``weights.delta`` file, protocol/manifest.py) are held and served like any version, but
+the reads inferers use (``locate``, ``newest``, ``wait_newer``, ``held_steps``) only ever name FULL
+directories, which a model can load."""
 
 from __future__ import annotations
 
@@ -49,18 +53,48 @@ class Holdings:
         self.versions: dict[bytes, Version] = {}
         self.known: dict[bytes, Envelope] = {}
         """Every signed manifest we checked, by id (held versions' and those only heard of)."""
+        self.deltas: dict[bytes, dict[bytes, Manifest]] = {}
+        """The checked delta manifests by the full version they produce, then by their own id."""
         self.changed = trio.Event()
+
+    def learn(self, mid: bytes, envelope: Envelope, manifest: Manifest) -> None:
+        """Remember a signed manifest the caller checked (``open_manifest``) and, for a delta, its link."""
+        self.known[mid] = envelope
+        if manifest.is_delta:
+            self.deltas.setdefault(manifest.target, {})[mid] = manifest
+
+    def forget_delta(self, delta: Manifest) -> None:
+        """Never take ``delta`` again (it did not rebuild its target)."""
+        self.deltas.get(delta.target, {}).pop(delta.id(), None)
+
+    def delta_to(self, target: bytes) -> Manifest | None:
+        """A known delta producing ``target``, one whose base we hold complete if there is one."""
+        found = list(self.deltas.get(target, {}).values())
+        held = [m for m in found if self.full(m.base) is not None]
+        choices = held or found
+        return choices[-1] if choices else None
+
+    def full(self, mid: bytes) -> Version | None:
+        """The complete full version ``mid``, if held."""
+        version = self.versions.get(mid)
+        if version is None or version.manifest.is_delta or version.path is None or not version.done.is_set():
+            return None
+        return version
 
     # --- reads ----------------------------------------------------------------------------------------
 
+    def _complete_fulls(self) -> list[tuple[int, Path]]:
+        return [
+            (v.step, v.path)
+            for v in self.versions.values()
+            if v.path is not None and v.done.is_set() and not v.manifest.is_delta
+        ]
+
     def locate(self, step: int) -> Path | None:
-        for version in self.versions.values():
-            if version.step == step and version.path is not None and version.done.is_set():
-                return version.path
-        return None
+        return next((path for held, path in self._complete_fulls() if held == step), None)
 
     def newest(self) -> tuple[int, Path] | None:
-        held = [(v.step, v.path) for v in self.versions.values() if v.path is not None and v.done.is_set()]
+        held = self._complete_fulls()
         return max(held, key=lambda item: item[0]) if held else None
 
     async def wait_newer(self, than: int | None) -> tuple[int, Path]:
@@ -82,7 +116,7 @@ class Holdings:
 
     def held_steps(self) -> tuple[int, ...]:
         """The newest complete steps (what the node's peer record advertises)."""
-        steps = sorted({v.step for v in self.versions.values() if v.path is not None}, reverse=True)
+        steps = sorted({step for step, _ in self._complete_fulls()}, reverse=True)
         return tuple(steps[:MAX_STEPS_REPORTED])
 
     def status(self) -> list[dict[str, Any]]:
@@ -116,7 +150,7 @@ class Holdings:
         holder.append(version)
         mid = manifest.id()
         self.versions[mid] = version
-        self.known[mid] = envelope
+        self.learn(mid, envelope, manifest)
         if path is not None:
             version.done.set()
             self.notify()

@@ -1,5 +1,6 @@
 """Apply the retention rule (protocol.swarm.retention) to a piece store root: keep the newest
-``async_level + 1`` steps of each run, delete the rest from disk."""
+``async_level + 1`` full steps of each run (with the deltas and bases that rule keeps), delete the rest
+from disk."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def held_versions(root: Path) -> dict[HeldVersion, Path]:
             continue
         manifest = read_stored_manifest(directory)
         if manifest is not None and directory.name == manifest.id().hex():
-            found[HeldVersion(manifest.run, manifest.step, manifest.id())] = directory
+            held = HeldVersion(manifest.run, manifest.step, manifest.id(), manifest.base, manifest.target)
+            found[held] = directory
     return found
 
 

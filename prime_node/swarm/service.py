@@ -16,12 +16,23 @@ topic ``CHECKPOINTS_TOPIC`` (protocol/topics.py), the signed manifest inside whe
 with ``follow`` a node fetches every trainer-signed version it hears of by itself, newest first, and
 keeps the newest ``keep`` complete versions (K = async level + 1). A restarted node re-serves complete
 versions and resumes unfinished ones from their verified pieces.
+
+Deltas (docs/weight-swarm.md, "Deltas"): ``publish`` always builds, signs and seeds the full version of a
+step and, given the directory of a full version it holds as the base, also a delta version, announced
+instead of the full one when it is small enough. A peer given a delta (followed, or ``fetch`` of its id)
+rebuilds the full version from a full version it holds, through a chain of up to ``MAX_CHAIN`` known
+deltas if need be, checks it piece by piece against the target's own signed manifest and then holds and
+serves that full version; when no chain reaches a held version, or a delta does not rebuild the target
+(``bad_delta``), it fetches the full version instead. ``locate``, ``newest`` and ``wait_newer`` only ever
+name full directories.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
+import shutil
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,6 +46,7 @@ from prime_node.node.clock import NodeClock
 from prime_node.node.context import NodeContext, RecordPart
 from prime_node.node.gossip import Delivered
 from prime_node.swarm.checkpoint import build_checkpoint
+from prime_node.swarm.delta_versions import MAX_CHAIN, Published, encode_delta_version, rebuild_full
 from prime_node.swarm.exchange import VersionExchange
 from prime_node.swarm.holdings import Holdings
 from prime_node.swarm.neighbours import MAX_NEIGHBOURS, keep_neighbours
@@ -44,7 +56,7 @@ from prime_node.swarm.versions import Version, open_known
 from protocol.codec import decode, encode
 from protocol.envelope import Envelope
 from protocol.errors import RemoteProtocolError
-from protocol.manifest import Manifest, open_manifest
+from protocol.manifest import DELTA_FILE_NAME, Manifest, open_manifest
 from protocol.peer_record import peer_id_of
 from protocol.scoring import Offence
 from protocol.swarm.catalogue import Catalogue, CatalogueAction
@@ -56,11 +68,13 @@ log = logging.getLogger(__name__)
 STATUS_SECTION = "checkpoints"
 TICK = 0.25
 """Seconds between ticks: request timeouts, super-seeding deadlines (as short as 0.25 s), expiring waits."""
+FOLLOW_MANIFEST_WAIT = 60.0
+"""How long following (or a delta) waits for a full version's manifest before giving up on it."""
 
 
 class SwarmService:
-    """See the module doc. Start it as a node service; the public API is ``share``, ``fetch``,
-    ``locate``, ``newest``, ``wait_newer``, ``wait_changed``, ``progress`` and ``status``."""
+    """See the module doc. Start it as a node service; the public API is ``share``, ``publish``,
+    ``fetch``, ``locate``, ``newest``, ``wait_newer``, ``wait_changed``, ``progress`` and ``status``."""
 
     def __init__(
         self,
@@ -118,6 +132,15 @@ class SwarmService:
         self._context: NodeContext | None = None
         self._nursery: trio.Nursery | None = None
         self._port: int | None = None
+        self._building: dict[bytes, trio.Event] = {}
+        """Full versions being obtained through deltas (or their fallback), by id: set when that ends."""
+        self._building_step: dict[bytes, int] = {}
+        """The step of the delta each of those goes through: a rebuild only waits for an older one, so
+        deltas a trainer signed in a circle (A from B, B from A) cannot make two rebuilds wait for each
+        other."""
+        self.reconstructions = 0
+        self.bad_deltas = 0
+        self.delta_bytes_in = 0
 
     # --- settings the role runner changes once the run is announced -----------------------------------
 
@@ -215,6 +238,22 @@ class SwarmService:
     async def share(self, directory: Path, *, step: int, piece_size: int | None = None) -> Manifest:
         """Hash and sign ``directory`` (``key`` must be the run's trainer key), announce it and seed it,
         super-seeding, until the service stops."""
+        return (await self.publish(directory, step=step, piece_size=piece_size)).full
+
+    async def publish(
+        self,
+        directory: Path,
+        *,
+        step: int,
+        delta_base: Path | None = None,
+        snapshot: bool = False,
+        max_delta_share: float = 0.5,
+        piece_size: int | None = None,
+    ) -> Published:
+        """Share ``directory`` as step ``step``: its full version is always hashed, signed and seeded.
+        Unless ``snapshot``, when ``delta_base`` is the directory of a full version this service holds,
+        a delta against it is encoded too; if it is at most ``max_delta_share`` of the full size it is
+        signed, seeded and announced instead of the full version (peers without the base fetch that)."""
         if self.trainer is not None and self.key.address != self.trainer:
             raise NodeError(
                 f"only the run's trainer {self.trainer} may share checkpoints "
@@ -227,36 +266,129 @@ class SwarmService:
                 directory, self.key, run=self.run_id, step=step, now_ms=now_ms, piece_size=piece_size
             )
         )
-        manifest, envelope = shared.manifest, shared.envelope
-        mid = manifest.id()
+        full = shared.manifest
+        base = self._held_full_at(delta_base)
+        reason = "snapshot" if snapshot else "no_base" if delta_base is None else "base_not_held"
+        delta, delta_bytes, seconds = None, 0, 0.0
+        if not snapshot and base is not None and base.manifest.id() == full.id():
+            reason = "unchanged"
+        elif not snapshot and base is not None:
+            assert base.path is not None
+            base_path, base_id = base.path, base.manifest.id()
+            delta, stats = await trio.to_thread.run_sync(
+                lambda: encode_delta_version(
+                    base_path,
+                    directory,
+                    self.layout.checkpoints,
+                    self.key,
+                    full=full,
+                    base_id=base_id,
+                    now_ms=now_ms,
+                    max_bytes=int(max_delta_share * full.total_size),
+                )
+            )
+            delta_bytes, seconds = stats.delta_bytes, stats.seconds
+            reason = "too_large" if delta is None else "delta"
+        # Held (so offered) before the full version: a neighbour hears of the delta first and takes it.
+        if delta is not None and not self._hold_delta(delta.manifest, delta.envelope, delta.directory):
+            delta, reason = None, "not_kept"
+        mid = full.id()
         if mid not in self.versions:
-            source = OriginDirectory(directory, manifest)
-            self._hold(self.holdings.add(manifest, envelope, source, store=None, path=directory, origin=True))
+            source = OriginDirectory(directory, full)
+            self._hold(
+                self.holdings.add(full, shared.envelope, source, store=None, path=directory, origin=True)
+            )
+        announced = delta if delta is not None else shared
+        await self._announce(announced.manifest, announced.envelope)
+        self.exchange.apply(self.catalogue.retain())
+        log.info(
+            "sharing step %d as %s (%d pieces; %s%s)",
+            step,
+            announced.manifest_id.hex(),
+            announced.manifest.piece_count,
+            reason,
+            f", {delta_bytes} of {full.total_size} bytes" if delta_bytes else "",
+        )
+        return Published(
+            full=full,
+            delta=delta.manifest if delta is not None else None,
+            full_bytes=full.total_size,
+            delta_bytes=delta_bytes,
+            encode_seconds=seconds,
+            reason=reason,
+        )
+
+    def _held_full_at(self, directory: Path | None) -> Version | None:
+        if directory is None:
+            return None
+        wanted = directory.resolve()
+        for version in self.versions.values():
+            held = self.holdings.full(version.manifest.id())
+            if held is not None and held.path is not None and held.path.resolve() == wanted:
+                return held
+        return None
+
+    def _hold_delta(self, manifest: Manifest, envelope: Envelope, work: Path) -> bool:
+        """Move a delta the trainer just encoded where the store keeps versions, and seed it (False: it
+        could not be kept, and is gone)."""
+        mid = manifest.id()
+        if mid in self.versions:
+            shutil.rmtree(work, ignore_errors=True)
+            return True
+        directory = self.layout.checkpoint_dir(manifest)
+        try:
+            shutil.rmtree(directory, ignore_errors=True)
+            work.rename(directory)
+            self.layout.save_envelope(mid, envelope)
+        except (OSError, NodeError) as exc:
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(directory, ignore_errors=True)
+            log.warning(
+                "cannot keep the delta of step %d (announcing the full version): %s", manifest.step, exc
+            )
+            return False
+        source = OriginDirectory(directory, manifest)
+        self._hold(self.holdings.add(manifest, envelope, source, store=None, path=directory, origin=True))
+        return True
+
+    async def _announce(self, manifest: Manifest, envelope: Envelope) -> None:
         payload = encode(envelope)
         announce = Announce(
-            mid, self.run_id, step, payload if len(payload) <= MAX_ANNOUNCED_ENVELOPE_BYTES else b""
+            manifest.id(),
+            self.run_id,
+            manifest.step,
+            payload if len(payload) <= MAX_ANNOUNCED_ENVELOPE_BYTES else b"",
         )
         try:
             await self.context.gossip.publish(CHECKPOINTS_TOPIC, encode(announce))
         except NodeError as exc:
             log.info("checkpoint announcement not gossiped (peers will still learn it on connect): %s", exc)
-        log.info("sharing step %d as %s (%d pieces)", step, mid.hex(), manifest.piece_count)
-        return manifest
 
     async def fetch(self, manifest_id: bytes, *, out: Path | None = None) -> Path:
         """Download the version ``manifest_id`` from peers, verify it and return its complete directory
-        (``out`` if given, written atomically; else inside the store). Resumes from verified pieces."""
+        (``out`` if given, written atomically; else inside the store). Resumes from verified pieces.
+        For a delta's id, the full directory it produces: rebuilt from a held base (or a chain), else
+        fetched whole."""
         version = self.versions.get(manifest_id)
         if version is None:
             envelope, manifest = await self.get_manifest(manifest_id)
+            if manifest.is_delta:
+                return await self._fetch_via_delta(manifest, out)
             version = self.versions.get(manifest_id)
             if version is None:
                 version = self._start_fetch(manifest, envelope, out)
+        elif version.manifest.is_delta:
+            return await self._fetch_via_delta(version.manifest, out)
         await version.done.wait()
         if version.error is not None:
             raise version.error
         assert version.path is not None
         return version.path
+
+    async def _fetch_via_delta(self, delta: Manifest, out: Path | None) -> Path:
+        full = await self._obtain_full(delta.target, via=delta, out=out, wait=math.inf)
+        assert full is not None and full.path is not None
+        return full.path
 
     async def get_manifest(self, mid: bytes) -> tuple[Envelope, Manifest]:
         """The signed manifest ``mid``, from memory or asked of every neighbour (waits until one answers;
@@ -291,15 +423,20 @@ class SwarmService:
             "bytes_in": self.dataplane.bytes_in,
             "bytes_out": self.dataplane.bytes_out,
             "peers": len(self.dataplane.links),
+            "reconstructions": self.reconstructions,
+            "delta_bytes_in": self.delta_bytes_in,
+            "bad_deltas": self.bad_deltas,
         }
 
     # --- versions -------------------------------------------------------------------------------------
 
     def _hold(self, version: Version) -> Version:
         """Tell the catalogue about a version just added to the holdings (it offers it to neighbours)."""
-        complete = version.path is not None
+        complete, manifest = version.path is not None, version.manifest
         self.exchange.apply(
-            self.catalogue.add_version(version.manifest.id(), version.step, complete=complete)
+            self.catalogue.add_version(
+                manifest.id(), version.step, complete=complete, base=manifest.base, target=manifest.target
+            )
         )
         return version
 
@@ -319,11 +456,196 @@ class SwarmService:
             if manifest.run != self.run_id:
                 log.warning("not following %s: it belongs to run %s", mid.hex()[:16], manifest.run)
                 self.catalogue.follow_ended(mid)
+            elif manifest.is_delta or self.holdings.delta_to(mid) is not None or mid in self._building:
+                self._follow_via_delta(manifest)
             elif mid not in self.versions:
                 self._start_fetch(manifest, envelope, None)
         except NodeError as exc:
             log.warning("could not fetch checkpoint %s: %s", mid.hex()[:16], exc)
             self.catalogue.follow_ended(mid)
+
+    def _follow_via_delta(self, manifest: Manifest) -> None:
+        """A followed delta, or a followed full version a known delta produces: obtain the full version
+        through the delta (or its fallback) unless it is held or on its way already."""
+        delta = manifest if manifest.is_delta else self.holdings.delta_to(manifest.id())
+        target = manifest.target if manifest.is_delta else manifest.id()
+        if delta is None or target in self.versions or target in self._building:
+            self.catalogue.follow_ended(manifest.id())
+            return
+        self._building[target] = trio.Event()  # claimed now: the task starts later
+        self._building_step[target] = delta.step
+        self.nursery.start_soon(self._follow_delta, delta)
+
+    async def _follow_delta(self, delta: Manifest) -> None:
+        target = delta.target
+        try:
+            await self._obtain_full(target, via=delta, out=None, wait=FOLLOW_MANIFEST_WAIT, claimed=True)
+        except NodeError as exc:
+            log.warning("could not obtain step %d (%s): %s", delta.step, target.hex()[:16], exc)
+        finally:
+            for mid in (delta.id(), target):
+                if mid not in self.versions:
+                    self.catalogue.follow_ended(mid)
+
+    async def _obtain_full(
+        self,
+        target: bytes,
+        *,
+        via: Manifest | None,
+        out: Path | None,
+        wait: float,
+        depth: int = 0,
+        fallback: bool = True,
+        claimed: bool = False,
+        below: int | None = None,
+    ) -> Version | None:
+        """The full version ``target`` held complete: one held or on its way, else rebuilt through the
+        delta ``via`` (or a known one), else (``fallback``) fetched whole; None when a chain link
+        (``fallback`` False) cannot be rebuilt. ``claimed``: the caller registered ``_building[target]``;
+        ``below``: only through a delta of an earlier step (a chain link)."""
+        while not claimed:
+            version = self.versions.get(target)
+            if version is not None:
+                await version.done.wait()
+                if version.error is not None:
+                    raise version.error
+                return version
+            building = self._building.get(target)
+            if building is None:
+                self._building[target] = trio.Event()
+                break
+            await building.wait()
+        try:
+            built = await self._rebuild(target, via, out, depth, wait, below)
+            if built is not None or not fallback:
+                return built
+            log.info("fetching %s whole (no delta leads to it from a version held)", target.hex()[:16])
+            return await self._fetch_full(target, out, wait)
+        finally:
+            self._building_step.pop(target, None)
+            self._building.pop(target).set()
+
+    async def _rebuild(
+        self,
+        target: bytes,
+        via: Manifest | None,
+        out: Path | None,
+        depth: int,
+        wait: float,
+        below: int | None,
+    ) -> Version | None:
+        """Rebuild ``target`` through a delta from a held base (reached by a chain if need be), or None."""
+        delta = via if via is not None else self.holdings.delta_to(target)
+        if delta is None or depth >= MAX_CHAIN or (below is not None and delta.step >= below):
+            return None
+        self._building_step[target] = delta.step
+        try:
+            base = await self._base_of(delta, depth, wait)
+            if base is None:
+                log.debug("no held version leads to step %d through deltas", delta.step)
+                return None
+            return await self._apply(delta, base, out, wait)
+        except NodeError as exc:
+            if exc.reason != "bad_delta":
+                log.warning("could not rebuild step %d from a delta: %s", delta.step, exc)
+            return None
+
+    async def _base_of(self, delta: Manifest, depth: int, wait: float) -> Version | None:
+        """The full version ``delta`` applies to, held or rebuilt through the chain of known deltas."""
+        held = self.holdings.full(delta.base)
+        if held is not None:
+            return held if held.step < delta.step else None
+        under_way = self.versions.get(delta.base)
+        if under_way is not None and under_way.step >= delta.step:
+            return None
+        if self._building_step.get(delta.base, -1) >= delta.step:
+            return None  # never wait for a rebuild of the same or a later step: no waiting in a circle
+        if under_way is not None or delta.base in self._building:
+            return await self._obtain_full(
+                delta.base, via=None, out=None, wait=wait, depth=depth + 1, fallback=False, below=delta.step
+            )
+        previous = self.holdings.delta_to(delta.base)
+        if previous is None or previous.step >= delta.step or depth + 1 >= MAX_CHAIN:
+            return None
+        return await self._obtain_full(
+            delta.base, via=previous, out=None, wait=wait, depth=depth + 1, fallback=False, below=delta.step
+        )
+
+    async def _apply(self, delta: Manifest, base: Version, out: Path | None, wait: float) -> Version:
+        """Fetch ``delta``, rebuild its target from ``base`` and hold the target as a complete version."""
+        delta_id = delta.id()
+        fetched = self.versions.get(delta_id)
+        if fetched is None:
+            envelope = self.known.get(delta_id)
+            if envelope is None:
+                raise NodeError(f"no manifest for delta {delta_id.hex()}", reason="manifest_not_found")
+            fetched = self._start_fetch(delta, envelope, None)  # held now: its base stays while it waits
+        full_envelope, full = await self._target_manifest(delta, wait)
+        await fetched.done.wait()
+        if fetched.error is not None:
+            raise fetched.error
+        held = self.versions.get(full.id())
+        if held is not None:  # fetched whole meanwhile
+            await held.done.wait()
+            return held
+        assert fetched.path is not None and base.path is not None
+        directory = out if out is not None else self.layout.checkpoint_dir(full)
+        if out is None and directory.exists():
+            shutil.rmtree(directory)  # our own leftover from a run killed between rename and cleanup
+        delta_file, base_dir = fetched.path / DELTA_FILE_NAME, base.path
+        try:
+            await trio.to_thread.run_sync(lambda: rebuild_full(base_dir, delta_file, full, directory))
+        except NodeError as exc:
+            if exc.reason == "bad_delta":
+                self.bad_deltas += 1
+                log.error(  # the trainer signed it: the trainer is at fault, not the peers that sent it
+                    "refusing the trainer's delta %s for step %d (bad_delta): %s; fetching the step whole",
+                    delta_id.hex()[:16],
+                    delta.step,
+                    exc,
+                )
+                self.holdings.forget_delta(delta)
+                if self.versions.get(delta_id) is fetched:
+                    self._drop_version(fetched, delete=True)
+            raise
+        if out is None:
+            self.layout.save_envelope(full.id(), full_envelope)
+        source = OriginDirectory(directory, full)
+        version = self._hold(
+            self.holdings.add(full, full_envelope, source, store=None, path=directory, origin=False)
+        )
+        self.reconstructions += 1
+        log.info("step %d rebuilt from delta %s: %s", full.step, delta_id.hex()[:16], directory)
+        self.exchange.apply(self.catalogue.retain())
+        return version
+
+    async def _target_manifest(self, delta: Manifest, wait: float) -> tuple[Envelope, Manifest]:
+        """The trainer-signed full manifest ``delta`` produces (same run and step)."""
+        envelope, full = await self._manifest_within(delta.target, wait)
+        if full.is_delta or full.run != delta.run or full.step != delta.step:
+            raise NodeError(
+                f"delta {delta.id().hex()[:16]} names a target that is not step {delta.step}'s full version",
+                reason="bad_delta",
+            )
+        return envelope, full
+
+    async def _manifest_within(self, mid: bytes, wait: float) -> tuple[Envelope, Manifest]:
+        with trio.move_on_after(wait):
+            return await self.get_manifest(mid)
+        raise NodeError(f"no peer sent manifest {mid.hex()} within {wait:.0f} s", reason="manifest_not_found")
+
+    async def _fetch_full(self, target: bytes, out: Path | None, wait: float) -> Version:
+        """Fetch the full version ``target`` whole (the fallback of every delta)."""
+        envelope, manifest = await self._manifest_within(target, wait)
+        if manifest.is_delta:
+            raise NodeError(f"{target.hex()} names a delta, not a full version", reason="bad_delta")
+        version = self.versions.get(target)
+        if version is None:
+            version = self._start_fetch(manifest, envelope, out)
+        await version.done.wait()
+        if version.error is not None:
+            raise version.error
+        return version
 
     def _on_complete(self, version: Version) -> None:
         if not version.origin and version.path is None:
@@ -337,6 +659,9 @@ class SwarmService:
             self._drop_version(version, delete=False)
             version.done.set()
             return
+        if version.manifest.is_delta:
+            resumed = min(version.resumed_pieces * version.manifest.piece_size, version.manifest.total_size)
+            self.delta_bytes_in += version.manifest.total_size - resumed
         if mid in self.catalogue.versions:
             self.exchange.apply(self.catalogue.version_complete(mid))
         self.holdings.notify()
@@ -345,7 +670,8 @@ class SwarmService:
         version = self.versions.get(mid)
         if version is not None:
             log.info("dropping step %d (keeping the newest %d)", version.step, self.keep)
-            self._drop_version(version, delete=not version.origin)
+            # An origin's own directory is the caller's; a delta the trainer encoded is the store's.
+            self._drop_version(version, delete=not version.origin or version.manifest.is_delta)
 
     def _drop_version(self, version: Version, *, delete: bool) -> None:
         self.catalogue.remove_version(version.manifest.id())
@@ -362,9 +688,16 @@ class SwarmService:
                     self.holdings.add(manifest, envelope, source, store=None, path=directory, origin=False)
                 )
             elif self.follow and self.layout.has_pieces(mid):
-                self.known[mid] = envelope
+                self.holdings.learn(mid, envelope, manifest)
                 follows += self.catalogue.heard_of(mid, manifest.step, self.clock.now(), have_manifest=True)
         self.exchange.apply(self.catalogue.retain())
+        for version in list(self.versions.values()):  # deltas whose target is not here
+            manifest = version.manifest
+            if manifest.is_delta and self.holdings.full(manifest.target) is None:
+                if self.follow and manifest.signer != self.key.address:
+                    self._follow_via_delta(manifest)  # a rebuild a restart interrupted
+                else:  # not following, or our own (a trainer's): its target was the trainer's directory
+                    self._drop_version(version, delete=True)
         self.exchange.apply(follows)
 
     # --- events ---------------------------------------------------------------------------------------
@@ -378,8 +711,8 @@ class SwarmService:
             mid = announce.manifest_id
             if announce.envelope and mid not in self.known:
                 envelope = decode(announce.envelope, Envelope)
-                open_manifest(envelope, trainer=self.trainer, run=self.run_id, expected_id=mid)
-                self.known[mid] = envelope
+                manifest = open_manifest(envelope, trainer=self.trainer, run=self.run_id, expected_id=mid)
+                self.holdings.learn(mid, envelope, manifest)
         except RemoteProtocolError as exc:
             log.warning("ignoring a malformed checkpoint announcement: %s", exc)
             return

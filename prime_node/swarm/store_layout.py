@@ -2,8 +2,10 @@
 
 Under the store directory: ``manifests/<id>.envelope`` (the signed manifest), ``pieces/<id>/`` (a
 PieceStore while fetching) and ``checkpoints/step-<step>-<id16>/`` (the complete directory; once it
-exists the pieces are deleted and the version is served from the directory's files). Every file read
-back is checked (hostile disk): a bad one is logged and skipped.
+exists the pieces are deleted and the version is served from the directory's files; a delta version's
+directory holds its ``weights.delta``). Work directories (``checkpoints/.<name>``: a delta being encoded
+or a full version being rebuilt from one) left by a killed process are removed on ``prepare``. Every
+file read back is checked (hostile disk): a bad one is logged and skipped.
 """
 
 from __future__ import annotations
@@ -35,10 +37,16 @@ class StoreLayout:
     def pieces(self) -> Path:
         return self.root / "pieces"
 
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
     def prepare(self) -> None:
         try:
             for sub in SUBDIRECTORIES:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
+            for leftover in self.checkpoints.glob(".*"):
+                shutil.rmtree(leftover, ignore_errors=True)
         except OSError as exc:
             raise node_error_from_os(exc, f"preparing {self.root}") from exc
 
@@ -46,7 +54,7 @@ class StoreLayout:
         return self.root / "manifests" / f"{mid.hex()}.envelope"
 
     def checkpoint_dir(self, manifest: Manifest) -> Path:
-        return self.root / "checkpoints" / f"step-{manifest.step}-{manifest.id().hex()[:16]}"
+        return self.checkpoints / f"step-{manifest.step}-{manifest.id().hex()[:16]}"
 
     def save_envelope(self, mid: bytes, envelope: Envelope) -> None:
         """Durably, so a restart finds the manifest of every store it resumes (NodeError on failure)."""

@@ -54,6 +54,7 @@ class Version:
     def status(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "kind": "delta" if self.manifest.is_delta else "full",
             "manifest_id": self.manifest.id().hex(),
             "pieces": self.manifest.piece_count,
             "have": self.transfer.node.have.bit_count(),

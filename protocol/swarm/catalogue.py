@@ -8,14 +8,18 @@ policy around it, and nothing else:
 - the versions held (fetching or complete) and their steps, and to/from whom each was offered;
 - offers of versions we do not hold, at most ``MAX_OFFERS_PER_PEER`` ids per peer (its oldest forgotten
   first), so a peer offering made-up ids never pushes out what honest neighbours offered (the session of
-  a version we later fetch opens with the peers in this table);
+  a version we later fetch opens with the peers in this table). A holder that offered more versions than
+  that hears our offer once we fetch one it offered, and offers it once more, so the session opens even
+  though we forgot its first offer;
 - the manifests we wait for and whom we asked. A follow the trainer announced asks every neighbour and
   expires after ``MANIFEST_TIMEOUT`` seconds without a new peer to ask (at most ``MAX_PENDING_FOLLOWS``).
   A follow only a peer's offer names is unverified: it asks only the peers that offered it, each peer
   starts at most ``MAX_OFFERED_FOLLOWS_PER_PEER``, and it expires ``OFFERED_FOLLOW_TIMEOUT`` seconds
   after it began whatever anyone says later, so made-up ids cost a bounded wait and crowd out nobody;
 - following: fetch on our own every version we hear of, unless we already hold ``keep`` newer ones;
-- retention: keep the newest ``keep`` complete steps (the one rule, protocol/swarm/retention.py).
+- retention: keep the newest ``keep`` complete full steps, the deltas whose target is kept, and every base
+  a delta still to be applied needs (the one rule, protocol/swarm/retention.py). A version is a delta when
+  ``add_version`` names its ``base`` and ``target`` manifest ids.
 
 The caller owns connections, transfers, disk, signature checks and time. It reports events and carries
 out the returned actions in order:
@@ -38,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from protocol.errors import LocalProtocolError
-from protocol.swarm.retention import beyond_newest
+from protocol.swarm.retention import retained_with_deltas
 
 MAX_OFFERS_PER_PEER = 16
 MANIFEST_TIMEOUT = 60.0
@@ -115,6 +119,10 @@ class HeldEntry(Generic[P]):
     manifest_id: bytes
     step: int
     complete: bool
+    base: bytes = b""
+    """For a delta, the full version it applies to (empty: a full version)."""
+    target: bytes = b""
+    """For a delta, the full version it produces."""
     offered_to: set[P] = field(default_factory=set)
     offered_by: set[P] = field(default_factory=set)
 
@@ -195,7 +203,12 @@ class Catalogue(Generic[P]):
         signed manifest is already in hand and checked."""
         entry = self.versions.get(mid)
         if entry is not None:
-            return self._offered_by(entry, peer)
+            # Its first offer after ours: it may have forgotten ours (made while it did not hold the
+            # version, beyond its MAX_OFFERS_PER_PEER), so its side of the session would never open.
+            # Offer once more; a peer that did keep ours just opens its session again (a no-op).
+            again = peer in entry.offered_to and peer not in entry.offered_by
+            opened = self._offered_by(entry, peer)
+            return [SendOffer(peer, mid, entry.step), *opened] if again else opened
         ids = self.offered_ids.setdefault(peer, {})
         ids.pop(mid, None)
         ids[mid] = None
@@ -268,8 +281,8 @@ class Catalogue(Generic[P]):
                 pending.offered_by = None  # the trainer announced it after all: ask everyone
                 return self.request_manifest(mid, now, patient=False)
             return []
-        held = sorted((entry.step for entry in self.versions.values()), reverse=True)
-        if len(held) >= self.keep and step <= held[self.keep - 1]:
+        held = sorted({entry.step for entry in self.versions.values()}, reverse=True)  # a delta and its
+        if len(held) >= self.keep and step <= held[self.keep - 1]:  # target are one step
             return []
         if have_manifest:
             self.following.add(mid)
@@ -301,12 +314,16 @@ class Catalogue(Generic[P]):
 
     # --- versions held --------------------------------------------------------------------------------
 
-    def add_version(self, mid: bytes, step: int, *, complete: bool) -> list[CatalogueAction[P]]:
-        """We now hold (``complete``) or fetch ``mid``: offer it to everyone, open sessions with those that
-        already offered it."""
+    def add_version(
+        self, mid: bytes, step: int, *, complete: bool, base: bytes = b"", target: bytes = b""
+    ) -> list[CatalogueAction[P]]:
+        """We now hold (``complete``) or fetch ``mid`` (a delta from ``base`` to ``target`` when they are
+        given): offer it to everyone, open sessions with those that already offered it."""
         if mid in self.versions:
             raise LocalProtocolError(f"version {mid.hex()} is already held", reason="duplicate_version")
-        entry = self.versions[mid] = HeldEntry[P](mid, step, complete)
+        if bool(base) != bool(target) or (base and base == target):
+            raise LocalProtocolError("a delta names a base and a different target", reason="bad_delta")
+        entry = self.versions[mid] = HeldEntry[P](mid, step, complete, base, target)
         self._stop_following(mid)
         actions: list[CatalogueAction[P]] = []
         for peer in list(self.peers):
@@ -329,12 +346,11 @@ class Catalogue(Generic[P]):
         self.versions.pop(mid, None)
 
     def retain(self) -> list[CatalogueAction[P]]:
-        """Drop the complete versions beyond the newest ``keep`` steps."""
-        complete = sorted(
-            (e for e in self.versions.values() if e.complete), key=lambda e: e.step, reverse=True
-        )
+        """Drop the complete versions the retention rule does not keep (newest ``keep`` full steps, the
+        deltas to them, the bases of deltas still to be applied)."""
+        held = sorted(self.versions.values(), key=lambda e: e.step, reverse=True)
         actions: list[CatalogueAction[P]] = []
-        for entry in beyond_newest(complete, keep=self.keep):
+        for entry in retained_with_deltas(held, keep=self.keep):
             del self.versions[entry.manifest_id]
             actions.append(Drop(entry.manifest_id, entry.step))
         return actions

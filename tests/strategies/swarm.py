@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from crypto.digests import DIGEST_SIZE
 from crypto.keys import ADDRESS_SIZE, Address
-from protocol.manifest import FileEntry, Manifest, build_manifest, piece_count_for
+from protocol.manifest import DELTA_FILE_NAME, FileEntry, Manifest, build_manifest, piece_count_for
 from tests.strategies.messages import register_strategy
 
 _component = st.text(alphabet="abcXYZ019._-", min_size=1, max_size=12).filter(lambda s: not s.endswith("."))
@@ -42,5 +42,26 @@ def manifests(draw: st.DrawFn) -> Manifest:
     )
 
 
+@st.composite
+def delta_manifests(draw: st.DrawFn) -> Manifest:
+    """A delta version: one ``weights.delta`` file, distinct 32-byte base and target ids."""
+    size = draw(st.integers(1, 20_000))
+    piece_size = 1 << draw(st.integers(10, 14))
+    count = piece_count_for(size, piece_size)
+    base, target = draw(
+        st.lists(st.binary(min_size=DIGEST_SIZE, max_size=DIGEST_SIZE), min_size=2, max_size=2, unique=True)
+    )
+    return build_manifest(
+        run=draw(st.from_regex(r"[a-z0-9][a-z0-9._-]{0,20}", fullmatch=True)),
+        step=draw(st.integers(0, (1 << 62) - 1)),
+        piece_size=piece_size,
+        files=[(DELTA_FILE_NAME, size)],
+        piece_hashes=draw(st.binary(min_size=count * DIGEST_SIZE, max_size=count * DIGEST_SIZE)),
+        signer=Address(draw(st.binary(min_size=ADDRESS_SIZE, max_size=ADDRESS_SIZE))),
+        base=base,
+        target=target,
+    )
+
+
 register_strategy(FileEntry, file_entries())
-register_strategy(Manifest, manifests())
+register_strategy(Manifest, st.one_of(manifests(), delta_manifests()))

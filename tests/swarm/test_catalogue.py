@@ -51,6 +51,9 @@ class CatalogueMachine(RuleBasedStateMachine):
         self.to_start: set[bytes] = set()  # StartFetch received, not yet carried out
         self.steps: dict[bytes, int] = {}
         self.recent: dict[str, list[bytes]] = {}  # per peer, its newest offers of versions not held
+        self.dropped: list[Drop] = []
+        self.may_offer_again: set[tuple[str, bytes]] = set()
+        self.offered_again: set[tuple[str, bytes]] = set()
 
     # --- carrying out actions, checking each against the model -----------------------------------------
 
@@ -60,6 +63,10 @@ class CatalogueMachine(RuleBasedStateMachine):
                 assert action.peer in self.up, action
             if isinstance(action, SendOffer):
                 key = (action.peer, action.manifest_id)
+                if key in self.may_offer_again:  # its first offer came after ours: once more
+                    self.may_offer_again.discard(key)
+                    self.offered_again.add(key)
+                    continue
                 assert key not in self.offered_to, "offered twice on one connection"
                 assert action.manifest_id in self.catalogue.versions
                 self.offered_to.add(key)
@@ -75,9 +82,7 @@ class CatalogueMachine(RuleBasedStateMachine):
                 self.to_start.add(action.manifest_id)
             elif isinstance(action, Drop):
                 assert action.manifest_id not in self.catalogue.versions
-                kept = {e.step for e in self.catalogue.versions.values() if e.complete}
-                newest = sorted(kept, reverse=True)[: self.catalogue.keep]
-                assert len(newest) == self.catalogue.keep and action.step < min(newest), "dropped a newest"
+                self.dropped.append(action)
                 self.forget_version(action.manifest_id)
             elif isinstance(action, GiveUp):
                 assert action.manifest_id not in self.catalogue.pending
@@ -115,8 +120,7 @@ class CatalogueMachine(RuleBasedStateMachine):
         peer = data.draw(st.sampled_from(sorted(self.up)))
         if have_manifest:
             self.verified.add(mid)
-        if mid in self.catalogue.versions:
-            self.offered_by.add((peer, mid))
+        self.their_offer(peer, mid)
         follow = self.catalogue.follow
         self.remember_offer(peer, mid)
         actions = self.catalogue.offer_received(peer, mid, step, self.now, have_manifest=have_manifest)
@@ -131,6 +135,7 @@ class CatalogueMachine(RuleBasedStateMachine):
                 a.peer in holders for a in actions if isinstance(a, AskManifest) and a.manifest_id == mid
             )
         self.run(actions)
+        assert not self.may_offer_again, "a holder must offer again after a peer's first later offer"
 
     @precondition(lambda self: self.up)
     @rule(data=st.data(), count=st.integers(1, 300), first=st.integers(0, 10_000))
@@ -139,8 +144,19 @@ class CatalogueMachine(RuleBasedStateMachine):
         peer = data.draw(st.sampled_from(sorted(self.up)))
         for i in range(first, first + count):
             mid = (1 << 200 | i).to_bytes(32, "big")
+            self.their_offer(peer, mid)  # (a flooded id this node followed may be held by now)
             self.remember_offer(peer, mid)
             self.run(self.catalogue.offer_received(peer, mid, 1000 + i, self.now, have_manifest=False))
+            assert not self.may_offer_again
+
+    def their_offer(self, peer: str, mid: bytes) -> None:
+        """The model's side of receiving ``peer``'s offer of ``mid``."""
+        if mid not in self.catalogue.versions:
+            return
+        key = (peer, mid)
+        if key in self.offered_to and key not in self.offered_by:
+            self.may_offer_again.add(key)
+        self.offered_by.add(key)
 
     def remember_offer(self, peer: str, mid: bytes) -> None:
         if mid in self.catalogue.versions:
@@ -206,7 +222,17 @@ class CatalogueMachine(RuleBasedStateMachine):
             return
         self.add(mid, step, complete=complete)
 
-    def add(self, mid: bytes, step: int, *, complete: bool) -> None:
+    @rule(mid=MIDS, step=STEPS, complete=st.booleans(), base=MIDS, produces=MIDS)
+    def hold_delta(self, mid: bytes, step: int, complete: bool, base: bytes, produces: bytes) -> None:
+        """A delta version from ``base`` to ``produces`` (``target`` names a hypothesis rule target)."""
+        target = produces
+        if mid in self.catalogue.versions or base == target:
+            with pytest.raises(LocalProtocolError):
+                self.catalogue.add_version(mid, step, complete=complete, base=base, target=target)
+            return
+        self.add(mid, step, complete=complete, base=base, target=target)
+
+    def add(self, mid: bytes, step: int, *, complete: bool, base: bytes = b"", target: bytes = b"") -> None:
         for recent in self.recent.values():
             if mid in recent:
                 recent.remove(mid)
@@ -214,7 +240,7 @@ class CatalogueMachine(RuleBasedStateMachine):
             assert peer in self.up and step_offered >= 0
             self.offered_by.add((peer, mid))
         self.steps[mid] = step
-        self.run(self.catalogue.add_version(mid, step, complete=complete))
+        self.run(self.catalogue.add_version(mid, step, complete=complete, base=base, target=target))
         assert mid not in self.catalogue.following
         assert {p for p, m in self.offered_to if m == mid} == self.up
 
@@ -224,8 +250,10 @@ class CatalogueMachine(RuleBasedStateMachine):
         mid = data.draw(
             st.sampled_from(sorted(m for m, e in self.catalogue.versions.items() if not e.complete))
         )
+        before = self.snapshot()
+        before[mid] = (before[mid][0], True, *before[mid][2:])
         self.run(self.catalogue.version_complete(mid))
-        self.check_retained()
+        self.check_retained(before)
 
     @precondition(lambda self: self.catalogue.versions)
     @rule(data=st.data())
@@ -236,8 +264,9 @@ class CatalogueMachine(RuleBasedStateMachine):
 
     @rule()
     def retain(self) -> None:
+        before = self.snapshot()
         self.run(self.catalogue.retain())
-        self.check_retained()
+        self.check_retained(before)
 
     @rule(seconds=st.sampled_from([0.5, 5.0, MANIFEST_TIMEOUT / 2, MANIFEST_TIMEOUT]))
     def tick(self, seconds: float) -> None:
@@ -254,9 +283,37 @@ class CatalogueMachine(RuleBasedStateMachine):
         self.catalogue.keep = keep
         self.catalogue.follow = follow
 
-    def check_retained(self) -> None:
-        complete_steps = {e.step for e in self.catalogue.versions.values() if e.complete}
-        assert len(complete_steps) <= self.catalogue.keep
+    def snapshot(self) -> dict[bytes, tuple[int, bool, bytes, bytes]]:
+        self.dropped = []
+        return {m: (e.step, e.complete, e.base, e.target) for m, e in self.catalogue.versions.items()}
+
+    def check_retained(self, before: dict[bytes, tuple[int, bool, bytes, bytes]]) -> None:
+        """What retention keeps, stated property by property (protocol/swarm/retention.py)."""
+        versions = self.catalogue.versions
+        keep = self.catalogue.keep
+        dropped = {d.manifest_id for d in self.dropped}
+        assert dropped == set(before) - set(versions)
+        assert all(before[mid][1] for mid in dropped), "dropped a version still being fetched"
+        full_steps = sorted({s for s, done, base, _ in before.values() if done and not base}, reverse=True)
+        newest = set(full_steps[:keep])
+        floor = min(newest) if len(newest) == keep else -1
+        held_fulls = {m for m, e in versions.items() if e.complete and not e.base}
+        fulls_before = {m for m, (_, done, base, _) in before.items() if done and not base}
+        for mid in dropped:
+            step, _, base, target = before[mid]
+            if not base:
+                assert step not in newest, "dropped one of the newest full steps"
+            else:
+                assert target not in held_fulls, "dropped a delta whose target is kept"
+                assert target in fulls_before or step < floor, "dropped a delta still to be applied"
+        pending = [e for e in versions.values() if e.base and e.target not in held_fulls]
+        for entry in pending:  # a delta still to be applied keeps the base it needs
+            if entry.base in fulls_before and entry.step >= floor:
+                assert entry.base in versions, "dropped the base of a delta still to be applied"
+        unpinned = {e.step for m, e in versions.items() if m in held_fulls} - {
+            versions[e.base].step for e in pending if e.base in versions
+        }
+        assert len(unpinned) <= keep
 
     # --- invariants -----------------------------------------------------------------------------------
 
@@ -317,6 +374,11 @@ def test_a_session_opens_once_both_sides_offered_in_either_order() -> None:
     mid = mid_of(1)
     assert catalogue.peer_up("a", 0.0) == []
     assert catalogue.add_version(mid, 3, complete=True) == [SendOffer("a", mid, 3)]
+    # Its first offer after ours: offered once more (it may have forgotten ours), and the session opens.
+    assert catalogue.offer_received("a", mid, 3, 0.0, have_manifest=True) == [
+        SendOffer("a", mid, 3),
+        OpenSession("a", mid),
+    ]
     assert catalogue.offer_received("a", mid, 3, 0.0, have_manifest=True) == [OpenSession("a", mid)]
     # The other order: the peer offers before we hold the version.
     other = mid_of(2)
@@ -329,7 +391,10 @@ def test_a_session_opens_once_both_sides_offered_in_either_order() -> None:
     assert other not in catalogue.offers
     # A new neighbour gets an offer of each version; its own offer then opens the session.
     assert catalogue.peer_up("b", 1.0) == [SendOffer("b", mid, 3), SendOffer("b", other, 4)]
-    assert catalogue.offer_received("b", other, 4, 1.0, have_manifest=True) == [OpenSession("b", other)]
+    assert catalogue.offer_received("b", other, 4, 1.0, have_manifest=True) == [
+        SendOffer("b", other, 4),
+        OpenSession("b", other),
+    ]
     assert catalogue.peer_down("b") == [CloseSession("b", mid), CloseSession("b", other)]
 
 
@@ -449,6 +514,38 @@ def test_retention_keeps_the_newest_keep_complete_steps() -> None:
     assert catalogue.retain() == [Drop(mid_of(1), 1)]
     assert catalogue.version_complete(mid_of(9)) == [Drop(mid_of(2), 2)]
     assert sorted(catalogue.versions) == [mid_of(3), mid_of(9)]
+
+
+def test_retention_keeps_the_deltas_to_kept_versions_and_the_bases_of_deltas_to_apply() -> None:
+    catalogue: Catalogue[str] = Catalogue(keep=1, follow=True)
+    full = {step: mid_of(step) for step in (1, 2, 3)}
+    delta = {step: mid_of(10 + step) for step in (2, 3)}
+    catalogue.add_version(full[1], 1, complete=True)
+    catalogue.add_version(full[2], 2, complete=True)
+    catalogue.add_version(delta[2], 2, complete=True, base=full[1], target=full[2])
+    assert catalogue.retain() == [Drop(full[1], 1)]  # the delta to step 2 is kept with its target
+    # Delta 3 is fetched: step 2 is its base, so it stays even once another step would push it out.
+    catalogue.add_version(delta[3], 3, complete=False, base=full[2], target=full[3])
+    assert catalogue.version_complete(delta[3]) == []
+    catalogue.add_version(mid_of(7), 7, complete=True)  # a newer full step arrives meanwhile
+    assert set(catalogue.retain()) == {Drop(full[2], 2), Drop(delta[2], 2), Drop(delta[3], 3)}
+    # ... but a delta older than every kept step pins nothing: step 2 and both deltas went.
+    assert sorted(catalogue.versions) == [mid_of(7)]
+
+
+def test_a_delta_still_to_apply_pins_its_base_until_its_target_is_held() -> None:
+    catalogue: Catalogue[str] = Catalogue(keep=1, follow=True)
+    base, target, delta = mid_of(1), mid_of(2), mid_of(3)
+    catalogue.add_version(base, 1, complete=True)
+    catalogue.add_version(delta, 2, complete=True, base=base, target=target)
+    catalogue.add_version(mid_of(4), 1, complete=True)  # another full version of the base's step
+    assert catalogue.retain() == []
+    actions = catalogue.add_version(target, 2, complete=True)
+    assert actions == []
+    assert set(catalogue.retain()) == {Drop(base, 1), Drop(mid_of(4), 1)}
+    assert sorted(catalogue.versions) == [target, delta]
+    with pytest.raises(LocalProtocolError):
+        catalogue.add_version(mid_of(9), 3, complete=False, base=target, target=target)
 
 
 def test_invariants_raise_protocol_errors() -> None:

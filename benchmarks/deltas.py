@@ -1,0 +1,238 @@
+"""Delta checkpoints (prime_node/swarm/delta_codec.py): bytes on the wire per step ÷ full checkpoint bytes.
+
+Two real training runs with the project's trainer (``GRPOTrainer.train_step``: GRPO loss, backward, AdamW on
+float32 master weights), each publishing every step's policy as the trainer service does (``POLICY_FILES``
+copied from the base, ``model.safetensors`` in the publish dtype), and the delta from each published step to
+the next encoded, applied and checked byte-identical:
+
+- ``demo``: the demo's packaged tiny model (prime_node/assets) at the demo's own settings (group 8, 16
+  prompts, temperature 0.7, learning rate 5e-4, the 2-digit reversed arithmetic task), published in float32
+  like the demo. Rollouts are sampled by the current policy and rewarded by the task: every step is a real
+  GRPO step. At this rate nearly every value moves, so the delta is dense: ``demo_full_fallback`` says
+  whether the trainer would publish a full checkpoint instead (delta > ``MAX_SHARE`` × full).
+- ``small``: ``write_model_dir("qwen3", "small", seed)`` (~16M parameters) at ``--lr`` (≤ 1e-5), published
+  in bfloat16 (as a bf16 swarm would ship it; float32 beside it for comparison). The untrained model solves
+  no task, so every group would be flat (no gradient): as in tests/ml/test_trainer.py, one sample of each
+  group has its completion replaced by the right answer before the batch is admitted; the rest of the batch,
+  the rewards, the advantages and the step are the project's own.
+
+Timings are on this machine's CPU, with ``torch`` at one thread; ``full_copy_s`` (copying the full published
+directory) is the baseline the apply time is compared with. Prints ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+MAX_SHARE = 0.5  # the design's delta_max_share: above it the trainer publishes a full checkpoint
+POLICY_FILES = (  # prime_node/roles/trainer_service.py's POLICY_FILES (not imported: it pulls in the node)
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+
+
+def _publish(base: Path, out: Path, weights: dict[str, Any], dtype: str) -> Path:
+    """What the trainer service shares for one step: the base's policy files and the weights in ``dtype``."""
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    for name in POLICY_FILES:
+        if (base / name).is_file():
+            shutil.copyfile(base / name, out / name)
+    cast = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    published = {
+        name: tensor.to(cast).contiguous() if tensor.is_floating_point() else tensor
+        for name, tensor in weights.items()
+    }
+    save_file(published, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _with_answers(batch: Any, task: Any, tokenizer: Any, group_size: int) -> Any:
+    """The batch with the first completion of every group replaced by the right answer."""
+    from protocol.rollouts import pack_tokens
+
+    samples = list(batch.samples)
+    for index in range(0, len(samples), group_size):
+        sample = samples[index]
+        answer = [*tokenizer.encode(task.answer(sample.task_id), add_special_tokens=False)]
+        answer.append(tokenizer.eos_token_id)
+        samples[index] = dataclasses.replace(
+            sample, completion=pack_tokens(answer), logprobs=b"\x00\x00\x80\xbf" * len(answer)
+        )
+    return dataclasses.replace(batch, samples=tuple(samples))
+
+
+def _train(
+    model_dir: Path, config: Any, steps: int, dtypes: tuple[str, ...], inject: bool, work: Path
+) -> tuple[dict[str, list[Path]], list[int], float]:
+    """Run ``steps`` GRPO steps from ``model_dir``; returns the published directories per dtype (steps
+    0..steps), the groups kept per step and the mean seconds per step (rollouts and training)."""
+    from prime_node.ml.distributed import DistInfo
+    from prime_node.ml.engine import TorchEngine
+    from prime_node.ml.model import load_model
+    from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch, with_tied_head
+    from prime_node.ml.tokenizer import load_tokenizer
+    from prime_node.ml.trainer import GRPOTrainer, prepare
+    from prime_node.tasks.factory import build_task
+
+    tokenizer = load_tokenizer(model_dir)
+    task = build_task(config.task)
+    trainer = GRPOTrainer(
+        config, load_model(model_dir), tokenizer, checkpoint_root=work / "history", dist=DistInfo()
+    )
+    engine = TorchEngine(
+        load_model(model_dir), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    published: dict[str, list[Path]] = {dtype: [] for dtype in dtypes}
+    kept: list[int] = []
+
+    def publish(step: int) -> None:
+        weights = trainer.history.get(step)
+        for dtype in dtypes:
+            published[dtype].append(_publish(model_dir, work / dtype / f"step_{step}", weights, dtype))
+
+    publish(0)
+    began = time.perf_counter()
+    for step in range(steps):
+        engine.load_weights(with_tied_head(engine.model, trainer.history.get(step)), step)
+        batch = make_batch(
+            engine, task, tokenizer, config, worker=LOCAL_WORKER, policy_step=step, batch_counter=step
+        )
+        if inject:
+            batch = _with_answers(batch, task, tokenizer, config.group_size)
+        prepared = prepare(batch, current_step=step, task=task, tokenizer=tokenizer, config=config)
+        trainer.train_step(prepared)
+        kept.append(prepared.groups_kept)
+        publish(step + 1)
+    return published, kept, (time.perf_counter() - began) / steps
+
+
+def _deltas(versions: list[Path], work: Path) -> dict[str, Any]:
+    """Encode and apply the delta of each version against the one before; check it byte-identical."""
+    from prime_node.swarm.delta_codec import apply_delta, encode_delta
+
+    work.mkdir(parents=True, exist_ok=True)
+    ratios, changed, encode_s, apply_s, copy_s = [], [], [], [], []
+    delta_bytes = full_bytes = values = 0
+    for index, (base, target) in enumerate(itertools.pairwise(versions)):
+        delta = work / f"delta_{index}"
+        stats = encode_delta(base, target, delta)
+        began = time.perf_counter()
+        apply_delta(base, delta, work / f"out_{index}", max_output_bytes=stats.full_bytes)
+        apply_s.append(time.perf_counter() - began)
+        for path in sorted(target.iterdir()):
+            if (work / f"out_{index}" / path.name).read_bytes() != path.read_bytes():
+                raise SystemExit(f"delta {index}: {path.name} was not reconstructed byte-identical")
+        began = time.perf_counter()
+        shutil.copytree(target, work / f"copy_{index}")
+        copy_s.append(time.perf_counter() - began)
+        shutil.rmtree(work / f"out_{index}")
+        shutil.rmtree(work / f"copy_{index}")
+        ratios.append(stats.delta_bytes / stats.full_bytes)
+        changed.append(stats.changed_values / stats.total_values)
+        encode_s.append(stats.seconds)
+        delta_bytes, full_bytes, values = stats.delta_bytes, stats.full_bytes, stats.total_values
+    return {
+        "ratio_mean": sum(ratios) / len(ratios),
+        "ratio_max": max(ratios),
+        "ratio_per_step": [round(r, 5) for r in ratios],
+        "changed_fraction": sum(changed) / len(changed),
+        "encode_s_per_step": sum(encode_s) / len(encode_s),
+        "reconstruct_s_per_step": sum(apply_s) / len(apply_s),
+        "full_copy_s": sum(copy_s) / len(copy_s),
+        "last_delta_bytes": delta_bytes,
+        "full_bytes": full_bytes,
+        "values": values,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="consecutive GRPO steps (deltas) per model")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the small model")
+    parser.add_argument("--skip-demo", action="store_true")
+    args = parser.parse_args()
+    if args.lr > 1e-5:
+        parser.error("--lr must be at most 1e-5 (the RL fine-tuning regime the bf16 goal is about)")
+
+    import torch
+
+    from prime_node.assets import copy_demo_model
+    from prime_node.config import RunConfig
+    from prime_node.ml.architectures import write_model_dir
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    result: dict[str, Any] = {"steps": args.steps, "seed": args.seed, "torch_threads": 1}
+    with tempfile.TemporaryDirectory(prefix="delta-codec-bench-") as name:
+        work = Path(name)
+        common = {
+            "run_id": "bench",
+            "max_new_tokens": 5,
+            "async_level": 4,
+            "objective": "behaviour",
+            "lr_schedule": "constant",
+            "seed": args.seed,
+            "threads": 1,
+            "task": {"kind": "arithmetic", "digits": 2, "reverse_answer": True},
+            "output_dir": work / "run",
+        }
+        if not args.skip_demo:
+            demo = work / "demo_model"
+            copy_demo_model(demo)
+            config = RunConfig(
+                **common, group_size=8, prompts_per_step=16, temperature=0.7, learning_rate=5e-4
+            )
+            published, kept, step_s = _train(demo, config, args.steps, ("float32",), False, work / "demo")
+            found = _deltas(published["float32"], work / "demo")
+            result |= {
+                "delta_bytes_ratio_demo": found["ratio_mean"],
+                "demo_full_fallback": found["ratio_max"] > MAX_SHARE,
+                "demo": {**found, "lr": 5e-4, "groups_kept_per_step": kept, "train_s_per_step": step_s},
+            }
+        small = write_model_dir("qwen3", "small", args.seed, work / "small_model")
+        config = RunConfig(**common, group_size=8, prompts_per_step=8, temperature=1.0, learning_rate=args.lr)
+        published, kept, step_s = _train(
+            small, config, args.steps, ("bfloat16", "float32"), True, work / "small"
+        )
+        bf16 = _deltas(published["bfloat16"], work / "small" / "bf16-deltas")
+        fp32 = _deltas(published["float32"], work / "small" / "fp32-deltas")
+        result |= {
+            "delta_bytes_ratio_bf16": bf16["ratio_mean"],
+            "changed_fraction": bf16["changed_fraction"],
+            "encode_s_per_step": bf16["encode_s_per_step"],
+            "reconstruct_s_per_step": bf16["reconstruct_s_per_step"],
+            "model_bytes_bf16": bf16["full_bytes"],
+            "model_bytes_fp32": fp32["full_bytes"],
+            "model_values_small": bf16["values"],
+            "small": {
+                "lr": args.lr,
+                "groups_kept_per_step": kept,
+                "train_s_per_step": step_s,
+                "bf16": bf16,
+                "fp32": fp32,
+            },
+        }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
