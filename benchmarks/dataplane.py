@@ -10,8 +10,15 @@ separately.
 - channel: prime_node.dataplane (wallet-authenticated handshake, keyed-BLAKE3 MAC per frame), the
   receiver gets each frame as ``bytes``, checked.
 - libp2p: prime_node.p2p's host (TCP + Noise + yamux) and its FramedStream, same frames.
+- piece_path: the whole weight-swarm path, one checkpoint of the same bytes in pieces of the frame size:
+  an origin (CheckpointTransfer over OriginDirectory, reading the shared file) and a fetcher (a fresh
+  PieceStore on tmpfs each run) as two DataPlanes on one channel, with the swarm's requests, ``have``s,
+  piece hashing and store writes. Time and CPU from the dial to the fetcher holding every piece.
 
-Usage: .venv/bin/python benchmarks/dataplane.py [--skip-libp2p]
+``cpu_s_per_gb`` (both ends' CPU seconds per 10^9 bytes delivered, best run of each end) is the figure
+benchmarks/broadcast.py reports across its peers as ``peers_cpu_s_per_gb_delivered``.
+
+Usage: .venv/bin/python benchmarks/dataplane.py [--skip-libp2p] [--skip-pieces] [--frame-kib N]
 """
 
 from __future__ import annotations
@@ -19,9 +26,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,11 +41,18 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from crypto.keys import WalletKey  # noqa: E402
+from crypto.keys import Address, WalletKey  # noqa: E402
 from prime_node.dataplane.channel import accept_channel, open_channel  # noqa: E402
+from prime_node.swarm.checkpoint import build_checkpoint  # noqa: E402
+from prime_node.swarm.piece_store import PieceStore  # noqa: E402
+from prime_node.swarm.transfer import CheckpointTransfer, OriginDirectory, PieceSource  # noqa: E402
+from prime_node.swarm.transport import DataPlane  # noqa: E402
+from protocol.codec import decode, encode  # noqa: E402
+from protocol.manifest import Manifest  # noqa: E402
 
-FRAME_SIZE = 4 << 20
-FRAME_COUNT = 128
+TOTAL_BYTES = int(os.environ.get("BENCH_TOTAL_MIB", "512")) << 20
+FRAME_SIZE = int(os.environ.get("BENCH_FRAME_KIB", "4096")) << 10
+FRAME_COUNT = TOTAL_BYTES // FRAME_SIZE
 REPEATS = 3
 LIBP2P_PROTOCOL = "/prime-node/bench-dataplane/1"
 LIBP2P_TIMEOUT = 60.0
@@ -125,12 +142,72 @@ async def _libp2p_child() -> None:
         await trio.sleep(0.2)  # let the last acknowledgement leave
 
 
+class _PiecePeer:
+    """One end of the piece path: a DataPlane carrying one CheckpointTransfer; ``done`` is set when the
+    transfer completes (fetcher) or its peer leaves (origin)."""
+
+    def __init__(self, key: WalletKey, manifest: Manifest, pieces: PieceSource) -> None:
+        self.done = trio.Event()
+        self.transfer = CheckpointTransfer(
+            manifest,
+            pieces,
+            send=self._send,
+            close=self._close,
+            rng=random.Random(0),
+            on_complete=self.done.set,
+        )
+        self.plane = DataPlane(key, on_up=self._up, on_frame=self._frame, on_down=self._down)
+
+    def _send(self, peer: object, frame: bytes) -> None:
+        assert isinstance(peer, Address)
+        self.plane.send(peer, frame)
+
+    def _close(self, peer: object, reason: str) -> None:
+        assert isinstance(peer, Address)
+        self.plane.close(peer)
+
+    def _up(self, peer: Address) -> None:
+        self.transfer.connected(peer, trio.current_time())
+
+    def _frame(self, peer: Address, frame: bytes) -> None:
+        self.transfer.frame(peer, frame, trio.current_time())
+
+    def _down(self, peer: Address) -> None:
+        self.transfer.disconnected(peer, trio.current_time())
+        self.done.set()
+
+
+async def _piece_child() -> None:
+    """The fetcher: a fresh PieceStore per run; CPU from its channel being up to holding every piece."""
+    key = WalletKey(bytes.fromhex(os.environ["BENCH_KEY"]))
+    manifest = decode(Path(os.environ["BENCH_MANIFEST"]).read_bytes(), Manifest)
+    root = Path(os.environ["BENCH_STORE"])
+    cpu: list[float] = []
+    async with trio.open_nursery() as nursery:
+        for run in range(REPEATS):
+            store = PieceStore.open(root / str(run), manifest)
+            peer = _PiecePeer(key, manifest, store)
+            port = await nursery.start(peer.plane.run, "127.0.0.1", 0)
+            print(port, flush=True)
+            while not peer.plane.links:
+                await trio.sleep(0.001)
+            started = _cpu_seconds()
+            await peer.done.wait()
+            cpu.append(_cpu_seconds() - started)
+            for link in list(peer.plane.links):
+                peer.plane.close(link)
+            store.close()
+            store.remove()
+        print(json.dumps(cpu), flush=True)
+        nursery.cancel_scope.cancel()
+
+
 # --------------------------------------------------------------------------------------------------------
 # Senders (this process)
 
 
-def _start_child(mode: str, key: WalletKey) -> tuple[subprocess.Popen[str], str]:
-    env = dict(os.environ, BENCH_KEY=key.secret.hex(), PYTHONPATH=str(ROOT))
+def _start_child(mode: str, key: WalletKey, **extra: str) -> tuple[subprocess.Popen[str], str]:
+    env = dict(os.environ, BENCH_KEY=key.secret.hex(), PYTHONPATH=str(ROOT), **extra)
     child = subprocess.Popen(
         [sys.executable, __file__, "--receiver", mode], stdout=subprocess.PIPE, text=True, env=env
     )
@@ -189,6 +266,56 @@ async def _send_libp2p(multiaddr: str, payload: bytes, key: WalletKey) -> list[t
                 await stream.close()
                 runs.append((connected - started, finished - connected))
     return runs
+
+
+async def _send_pieces(
+    port: int, key: WalletKey, peer: WalletKey, origin: OriginDirectory
+) -> tuple[float, float]:
+    started = time.perf_counter()
+    sender = _PiecePeer(key, origin.manifest, origin)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sender.plane.run, "127.0.0.1", 0)
+        sender.plane.dial(peer.address, "127.0.0.1", port)
+        while not sender.plane.links:
+            await trio.sleep(0.001)
+        connected = time.perf_counter()
+        await sender.done.wait()  # the fetcher hangs up once it holds every piece
+        finished = time.perf_counter()
+        nursery.cancel_scope.cancel()
+    return connected - started, finished - connected
+
+
+def _measure_piece_path(payload: bytes) -> dict[str, object]:
+    """The origin serves a checkpoint holding ``payload`` repeated; the fetcher is a child process."""
+    receiver_key, sender_key = WalletKey.generate(), WalletKey.generate()
+    work = Path(tempfile.mkdtemp(prefix="dp-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    try:
+        model = work / "model"
+        model.mkdir()
+        (model / "config.json").write_text("{}")
+        with open(model / "model.safetensors", "wb") as out:
+            for _ in range(FRAME_COUNT):
+                out.write(payload)
+        shared = build_checkpoint(model, sender_key, run="bench", step=0, now_ms=0, piece_size=FRAME_SIZE)
+        (work / "manifest").write_bytes(encode(shared.manifest))
+        origin = OriginDirectory(model, shared.manifest)
+        env = {"BENCH_MANIFEST": str(work / "manifest"), "BENCH_STORE": str(work / "stores")}
+        child, port = _start_child("piece", receiver_key, **env)
+        assert child.stdout is not None
+        runs: list[Run] = []
+        try:
+            for run in range(REPEATS):
+                if run:
+                    port = child.stdout.readline().strip()
+                args = (_send_pieces, int(port), sender_key, receiver_key, origin)
+                runs.append(_timed(lambda args=args: trio.run(*args)))  # type: ignore[misc]
+        finally:
+            cpu = _stop(child)
+        summary = _summary(runs, cpu)
+        summary["bytes"] = shared.manifest.total_size
+        return summary
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _stop(child: subprocess.Popen[str]) -> list[float]:
@@ -258,6 +385,8 @@ def _summary(runs: list[Run], receiver_cpu: list[float]) -> dict[str, object]:
         summary["sender_cpu_s_per_gib"] = round(min(sender_cpu) / gib, 3)
     if receiver_cpu:
         summary["receiver_cpu_s_per_gib"] = round(min(receiver_cpu) / gib, 3)
+    if sender_cpu and receiver_cpu:
+        summary["cpu_s_per_gb"] = round((min(sender_cpu) + min(receiver_cpu)) / (total / 1e9), 3)
     return summary
 
 
@@ -274,6 +403,13 @@ def _cpu_ratio(channel: dict[str, object], raw: dict[str, object]) -> float | No
     busiest_raw = max(float(raw[key]) for key in keys)  # type: ignore[arg-type]
     busiest_channel = max(float(channel[key]) for key in keys)  # type: ignore[arg-type]
     return round(busiest_raw / busiest_channel, 3)
+
+
+def _per_gb_ratio(a: dict[str, object], b: dict[str, object]) -> float | None:
+    """Both ends' CPU per GB of ``a`` over that of ``b``."""
+    if "cpu_s_per_gb" not in a or "cpu_s_per_gb" not in b:
+        return None
+    return round(float(a["cpu_s_per_gb"]) / float(b["cpu_s_per_gb"]), 2)  # type: ignore[arg-type]
 
 
 def main() -> None:
@@ -293,6 +429,11 @@ def main() -> None:
         "goal_ratio_to_raw": 0.5,
         "cpu_ratio_to_raw": _cpu_ratio(channel, raw),
     }
+    if "--skip-pieces" not in sys.argv:
+        pieces = _measure_piece_path(payload)
+        result["piece_path"] = pieces
+        result["piece_path_cpu_over_raw"] = _per_gb_ratio(pieces, raw)
+    result["channel_cpu_over_raw"] = _per_gb_ratio(channel, raw)
     if "--skip-libp2p" in sys.argv:
         result["libp2p_noise_yamux"] = "skipped (--skip-libp2p)"
     else:
@@ -308,9 +449,15 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "--frame-kib" in sys.argv:
+        os.environ["BENCH_FRAME_KIB"] = sys.argv[sys.argv.index("--frame-kib") + 1]
+        FRAME_SIZE = int(os.environ["BENCH_FRAME_KIB"]) << 10
+        FRAME_COUNT = TOTAL_BYTES // FRAME_SIZE
     if len(sys.argv) == 3 and sys.argv[1] == "--receiver":
         if sys.argv[2] == "libp2p":
             trio.run(_libp2p_child)
+        elif sys.argv[2] == "piece":
+            trio.run(_piece_child)
         else:
             trio.run(_socket_child, sys.argv[2])
     else:

@@ -30,13 +30,14 @@ import struct
 from dataclasses import dataclass
 from typing import Annotated
 
-from crypto.digests import blake3, blake3_derive_key, keyed_blake3
+from crypto.digests import DIGEST_SIZE, blake3, blake3_derive_key, keyed_blake3
 from crypto.errors import CryptoError
 from crypto.exchange import EPHEMERAL_KEY_SIZE, EphemeralKey, check_public_key
 from crypto.keys import Address, WalletKey
 from crypto.signatures import recover_address
 from protocol.codec import ExactLen, Message, decode, encode, message
 from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.manifest import MAX_PIECE_SIZE, MAX_PIECES
 from protocol.swarm.messages import Piece
 
 PROTOCOL_TAG = b"prime-node/dataplane/v1"
@@ -417,3 +418,72 @@ class FrameOpener:
     def _check_usable(self) -> None:
         if self.broken:
             raise LocalProtocolError("channel already failed its integrity check", reason="channel_broken")
+
+
+# --- The piece frame without the general codec ------------------------------------------------------------
+#
+# ``swarm.piece`` is the one large message, and the general codec handles its body three times on receipt
+# (msgpack copies it out, the canonical check re-encodes and compares it) and twice on sending. Its
+# canonical form is fixed: [1, "swarm.piece", [manifest_id, index, data]] with msgpack's shortest int and
+# bin headers. These two functions build and recognise exactly that byte string, so the body is copied
+# once; ``decode_piece`` accepts a frame only if it is byte for byte ``encode(Piece(...))`` of what it
+# returns (anything else is None: hand it to ``protocol.codec.decode_any``, which decides).
+
+_PIECE_PREFIX = b"\x93\x01\xab" + Piece.TYPE.encode() + b"\x93\xc4" + bytes([DIGEST_SIZE])
+_PIECE_INDEX_AT = len(_PIECE_PREFIX) + DIGEST_SIZE
+
+
+def _uint(value: int) -> bytes:
+    """msgpack's shortest form of a non-negative int (what ``msgpack.packb`` writes)."""
+    if value < 0x80:
+        return bytes([value])
+    if value < 1 << 8:
+        return b"\xcc" + value.to_bytes(1, "big")
+    if value < 1 << 16:
+        return b"\xcd" + value.to_bytes(2, "big")
+    return b"\xce" + value.to_bytes(4, "big")
+
+
+def _bin_header(length: int) -> bytes:
+    if length < 1 << 8:
+        return b"\xc4" + length.to_bytes(1, "big")
+    if length < 1 << 16:
+        return b"\xc5" + length.to_bytes(2, "big")
+    return b"\xc6" + length.to_bytes(4, "big")
+
+
+def _piece_head(manifest_id: bytes, index: int, length: int) -> bytes | None:
+    """The bytes of a canonical piece frame before its data, or None if the fields break Piece's bounds."""
+    if len(manifest_id) != DIGEST_SIZE or not 0 <= index < MAX_PIECES or length > MAX_PIECE_SIZE:
+        return None
+    return _PIECE_PREFIX + manifest_id + _uint(index) + _bin_header(length)
+
+
+def encode_piece(manifest_id: bytes, index: int, data: bytes) -> bytes:
+    """``encode(Piece(manifest_id, index, data))``, with one copy of ``data``."""
+    head = _piece_head(manifest_id, index, len(data))
+    if head is None:
+        return encode(Piece(manifest_id, index, data))  # raises LocalProtocolError
+    return head + data
+
+
+def decode_piece(frame: bytes) -> Piece | None:
+    """The piece ``frame`` encodes canonically, or None if it is anything else (see above)."""
+    if not frame.startswith(_PIECE_PREFIX) or len(frame) < _PIECE_INDEX_AT + 2:
+        return None
+    manifest_id = frame[len(_PIECE_PREFIX) : _PIECE_INDEX_AT]
+    marker = frame[_PIECE_INDEX_AT]
+    index_size = 0 if marker < 0x80 else {0xCC: 1, 0xCD: 2, 0xCE: 4}.get(marker, -1)
+    if index_size < 0:
+        return None
+    index_end = _PIECE_INDEX_AT + 1 + index_size
+    index = marker if index_size == 0 else int.from_bytes(frame[_PIECE_INDEX_AT + 1 : index_end], "big")
+    if len(frame) <= index_end:
+        return None
+    length_size = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(frame[index_end], 0)
+    data_at = index_end + 1 + length_size
+    length = int.from_bytes(frame[index_end + 1 : data_at], "big")
+    head = _piece_head(manifest_id, index, length)
+    if not length_size or head is None or len(frame) != data_at + length or frame[:data_at] != head:
+        return None
+    return Piece(manifest_id, index, frame[data_at:])

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -24,6 +23,7 @@ import trio
 from crypto.keys import Address, WalletKey
 from crypto.randomness import random_bytes
 from prime_node.dataplane.budget import MemoryBudget
+from prime_node.dataplane.stream_io import StreamIO
 from prime_node.dataplane.streams import TCP, StreamListener, StreamTransport
 from prime_node.errors import NodeError
 from protocol.dataplane import (
@@ -50,13 +50,17 @@ DEFAULT_CONTEXT = "swarm"
 HANDSHAKE_TIMEOUT = 10.0
 DEFAULT_DEADLINES = FrameDeadlines()
 FIRST_CHUNK = 256 << 10
-"""The first receive buffer of a frame; later ones grow with what has arrived (see ``_receive_body``)."""
+"""The first receive buffer of a large body; later ones grow with what has arrived (``_receive_body``)."""
 CHUNK_GROWTH = 4
 """Each later chunk brings what is allocated to this many times what has arrived: few enough chunks (three
 for a 4 MiB frame) that the extra reads cost no measurable throughput, at most 4× what a peer sent."""
-SEND_CHUNK = 256 << 10
-"""Over a stream other than a TCP socket, a frame is sent in slices this large, each a sign of progress
-for the sender's idle deadline."""
+READ_BUFFER = 64 << 10
+"""Each channel's fixed read buffer: headers, tags and small frames are cut out of it, many per read."""
+SMALL_FRAME = 32 << 10
+"""Bodies up to this size are received whole into the read buffer; larger ones into their own chunks."""
+POLLS_PER_IDLE = 20
+"""A read waiting for more than one byte (``SO_RCVLOWAT``) looks at the socket every ``idle / 20`` s, so
+bytes trickling in under the low-water mark still count for the frame deadlines."""
 
 
 class ChannelError(NodeError):
@@ -70,6 +74,10 @@ class AuthenticatedChannel:
     Receive buffers draw on ``account`` (this channel's share of the node's ``MemoryBudget``) and grow
     with the bytes that arrive; a frame in either direction must keep to ``deadlines``. When the budget
     evicts the channel, whatever it is doing stops with ChannelError ``memory_budget``.
+
+    Bytes arrive through one fixed read buffer of ``READ_BUFFER`` bytes: a frame of at most
+    ``SMALL_FRAME`` bytes is cut out of it (many control frames per read), a larger body is read straight
+    into its own chunks (see ``_receive_body``).
     """
 
     def __init__(
@@ -82,6 +90,7 @@ class AuthenticatedChannel:
         budget: MemoryBudget | None = None,
     ) -> None:
         self._stream = stream
+        self._io = StreamIO(stream, poll=deadlines.idle / POLLS_PER_IDLE)
         self.remote: Address = keys.remote
         self._sealer = FrameSealer(keys.send_key, keys.send_direction, max_frame=max_frame)
         self._opener = FrameOpener(keys.receive_key, keys.receive_direction, max_frame=max_frame)
@@ -90,8 +99,9 @@ class AuthenticatedChannel:
         self._send_lock = trio.Lock()
         self._receive_lock = trio.Lock()
         self._scopes: set[trio.CancelScope] = set()
-        self._header = bytearray(FRAME_HEADER.size)
-        self._tag = bytearray(TAG_SIZE)
+        self._buffer = bytearray(READ_BUFFER)
+        self._start = 0  # unread bytes are self._buffer[self._start : self._end]
+        self._end = 0
         self.closed = False
         self.evicted = False
         self.on_evict: Callable[[], None] | None = None
@@ -101,29 +111,45 @@ class AuthenticatedChannel:
     async def send_frame(self, data: bytes) -> None:
         """Send one frame (≤ the cap). ChannelError if the connection is gone, or if the peer does not
         take the frame's bytes within its deadlines (``frame_stalled``, ``frame_too_slow``)."""
-        async with self._send_lock:
+        await self.send_frames((data,))
+
+    async def send_frames(self, frames: Sequence[bytes]) -> None:
+        """Send ``frames`` in order, each its own MAC'd frame, in as few system calls as the socket
+        takes. The deadlines treat the batch as one frame of their total length."""
+        await _acquire(self._send_lock)
+        try:
             self._check_open()
+            parts: list[bytes] = []
             try:
-                header, tag = self._sealer.seal(data)
+                for data in frames:
+                    header, tag = self._sealer.seal(data)
+                    parts += (header, data, tag)
             except ProtocolError as exc:
                 raise ChannelError(str(exc), reason=exc.reason) from exc
             with self._frame_scope() as scope:
-                progress = _Progress(scope, self._deadlines, len(data))
+                progress = _Progress(scope, self._deadlines, sum(len(data) for data in frames))
                 try:
-                    await self._stream.send_all(header)
-                    await _send_tracked(self._stream, memoryview(data), progress)
-                    await self._stream.send_all(tag)
+                    await self._io.write(parts, progress.moved)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     text = f"sending to {self.remote} failed: {exc}"
                     raise await self._fail("connection_lost", text) from exc
             if scope.cancelled_caught:
                 raise await self._interrupted(progress, "sending to")
+        finally:
+            self._send_lock.release()
 
     async def receive_frame(self) -> bytes:
         """The next frame, checked. ChannelError reason ``closed`` when the peer closed between frames."""
-        async with self._receive_lock:
+        await _acquire(self._receive_lock)
+        try:
             self._check_open()
             frame: bytes | None = None
+            try:
+                frame = self._buffered_frame()
+            except ProtocolError as exc:
+                raise await self._fail(exc.reason, f"frame from {self.remote} refused: {exc}") from exc
+            if frame is not None:
+                return frame
             with self._frame_scope() as scope:  # no deadline until the frame's first byte arrives
                 progress = _Progress(scope, self._deadlines, None)
                 try:
@@ -141,27 +167,71 @@ class AuthenticatedChannel:
                 await self.aclose()
                 raise ChannelError(f"{self.remote} closed the channel", reason="closed")
             return frame
+        finally:
+            self._receive_lock.release()
+
+    def _buffered_frame(self) -> bytes | None:
+        """The next frame if it is small and already whole in the read buffer (no I/O, no deadline)."""
+        start = self._start
+        if self._end - start < FRAME_HEADER.size:
+            return None
+        length = self._opener.body_length(self._buffer[start : start + FRAME_HEADER.size])
+        body_start = start + FRAME_HEADER.size
+        tag_start = body_start + length
+        if length > SMALL_FRAME or tag_start + TAG_SIZE > self._end:
+            return None
+        body = bytes(self._buffer[body_start:tag_start])
+        self._opener.open(length, body, self._buffer[tag_start : tag_start + TAG_SIZE])
+        self._start = tag_start + TAG_SIZE
+        return body
 
     async def _receive(self, progress: _Progress) -> bytes | None:
         """One frame, or None at a clean end of stream before its first byte."""
-        header = memoryview(self._header)
-        count = await _receive_into(self._stream, header)
-        if count == 0:
+        if self._end > self._start:
+            progress.start(0)
+        if not await self._buffer_at_least(FRAME_HEADER.size, progress, eof_ok=True):
             return None
-        progress.start(0)
-        await self._fill(header[count:], progress)
-        length = self._opener.body_length(self._header)
+        start = self._start
+        length = self._opener.body_length(self._buffer[start : start + FRAME_HEADER.size])
         progress.start(length)
+        if length <= SMALL_FRAME:
+            await self._buffer_at_least(FRAME_HEADER.size + length + TAG_SIZE, progress)
+            frame = self._buffered_frame()
+            assert frame is not None
+            return frame
+        self._start += FRAME_HEADER.size
         check = self._opener.begin(length)
         body = await self._receive_body(length, check, progress)
-        await self._fill(memoryview(self._tag), progress)
-        self._opener.finish(check, self._tag)
+        await self._buffer_at_least(TAG_SIZE, progress)
+        self._opener.finish(check, self._buffer[self._start : self._start + TAG_SIZE])
+        self._start += TAG_SIZE
         return body
+
+    async def _buffer_at_least(self, count: int, progress: _Progress, *, eof_ok: bool = False) -> bool:
+        """Read until ``count`` unread bytes are buffered. False if the stream ends before the first byte
+        and ``eof_ok``; the peer hanging up anywhere else is a truncation."""
+        while self._end - self._start < count:
+            if self._start:  # move the unread bytes to the front: what follows them must fit too
+                unread = self._end - self._start
+                self._buffer[:unread] = self._buffer[self._start : self._end]
+                self._start, self._end = 0, unread
+            view = memoryview(self._buffer)[self._end :]
+            read = await self._io.read([view], count - self._end)
+            if read == 0:
+                if eof_ok and self._end == 0:
+                    return False
+                raise RemoteProtocolError("connection ended inside a frame", reason="truncated_frame")
+            if self._end == 0:
+                progress.start(0)
+            self._end += read
+            progress.moved()
+        return True
 
     async def _receive_body(self, length: int, check: FrameCheck, progress: _Progress) -> bytes:
         """The body, read into chunks allocated (and reserved from the budget) only as bytes arrive: the
         first is 256 KiB, each next one three times what has arrived so far, so a peer that announces 16
-        MiB and sends one byte costs 256 KiB, and an honest 4 MiB frame takes three chunks."""
+        MiB and sends one byte costs 256 KiB, and an honest 4 MiB frame takes three chunks. Bytes already
+        in the read buffer go first; the last read also brings the tag and what follows into the buffer."""
         chunks: list[bytearray] = []
         received = reserved = 0
         try:
@@ -173,22 +243,35 @@ class AuthenticatedChannel:
                 reserved += size
                 chunk = bytearray(size)
                 chunks.append(chunk)
-                await self._fill(memoryview(chunk), progress, check)
+                await self._fill(memoryview(chunk), length - received, check, progress)
                 received += size
             return bytes(chunks[0]) if len(chunks) == 1 else b"".join(chunks)
         finally:
             self.account.release(reserved)
 
-    async def _fill(self, view: memoryview, progress: _Progress, check: FrameCheck | None = None) -> None:
-        """Fill ``view`` from inside a frame: the peer hanging up is a truncation."""
-        filled = 0
+    async def _fill(self, view: memoryview, left: int, check: FrameCheck, progress: _Progress) -> None:
+        """Fill ``view`` (part of a body that has ``left`` bytes still to come), buffered bytes first."""
+        filled = min(len(view), self._end - self._start)
+        if filled:
+            view[:filled] = self._buffer[self._start : self._start + filled]
+            check.update(view[:filled])
+            self._start += filled
+        if self._start == self._end:
+            self._start = self._end = 0
         while filled < len(view):
-            count = await _receive_into(self._stream, view[filled:])
+            views = [view[filled:]]
+            last = len(view) == left
+            if last and self._start == self._end:  # the tag and later frames may come in the same read
+                self._start = self._end = 0
+                views.append(memoryview(self._buffer))
+            count = await self._io.read(views, left - filled + TAG_SIZE)
             if count == 0:
                 raise RemoteProtocolError("connection ended inside a frame", reason="truncated_frame")
-            if check is not None:
-                check.update(view[filled : filled + count])
-            filled += count
+            taken = min(count, len(view) - filled)
+            check.update(view[filled : filled + taken])
+            filled += taken
+            if count > taken:
+                self._end = count - taken
             progress.moved()
 
     def __aiter__(self) -> AsyncIterator[bytes]:
@@ -209,15 +292,9 @@ class AuthenticatedChannel:
         self.account.close()
         await self._stream.aclose()
 
-    @contextmanager
-    def _frame_scope(self) -> Iterator[trio.CancelScope]:
+    def _frame_scope(self) -> _FrameScope:
         """A cancel scope for one frame: its deadline follows the frame's progress, eviction cancels it."""
-        with trio.CancelScope() as scope:
-            self._scopes.add(scope)
-            try:
-                yield scope
-            finally:
-                self._scopes.discard(scope)
+        return _FrameScope(self._scopes)
 
     def _evict(self) -> None:
         """The budget took this channel's memory back: stop what it is doing; it fails from now on."""
@@ -249,6 +326,31 @@ class AuthenticatedChannel:
         with trio.CancelScope(shield=True):
             await self.aclose()
         return ChannelError(text, reason=reason)
+
+
+class _FrameScope:
+    """A trio CancelScope registered in ``scopes`` while it is open (a class, not a generator-based
+    context manager: it is entered for every frame that needs I/O)."""
+
+    def __init__(self, scopes: set[trio.CancelScope]) -> None:
+        self._scopes = scopes
+        self._scope = trio.CancelScope()
+
+    def __enter__(self) -> trio.CancelScope:
+        self._scopes.add(self._scope)
+        return self._scope.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        self._scopes.discard(self._scope)
+        return bool(self._scope.__exit__(*exc_info))
+
+
+async def _acquire(lock: trio.Lock) -> None:
+    """Take ``lock``, without a pass through the scheduler when it is free (once per frame adds up)."""
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
 
 
 class _Progress:
@@ -287,34 +389,13 @@ class _Progress:
         return "frame_stalled", f"no bytes moved for {self._deadlines.idle:.0f} s inside a frame"
 
 
-async def _receive_into(stream: trio.abc.Stream, view: memoryview) -> int:
-    """Up to ``len(view)`` bytes into ``view``; 0 at end of stream. A TCP socket fills it in place."""
-    if isinstance(stream, trio.SocketStream):
-        return await stream.socket.recv_into(view)
-    chunk = await stream.receive_some(len(view))
-    view[: len(chunk)] = chunk
-    return len(chunk)
-
-
-async def _send_tracked(stream: trio.abc.Stream, view: memoryview, progress: _Progress) -> None:
-    """Send ``view``, telling ``progress`` whenever bytes leave. A TCP socket sends straight from the
-    view, reporting every partial send; another stream gets it in ``SEND_CHUNK`` slices."""
-    if isinstance(stream, trio.SocketStream):
-        sent = 0
-        while sent < len(view):
-            sent += await stream.socket.send(view[sent:])
-            progress.moved()
-        return
-    for start in range(0, len(view), SEND_CHUNK):
-        await stream.send_all(view[start : start + SEND_CHUNK])
-        progress.moved()
-
-
 async def _read_exactly(stream: trio.abc.Stream, view: memoryview) -> None:
     """Fill ``view`` from the stream (the handshake's small frames, under the handshake's deadline)."""
     filled = 0
     while filled < len(view):
-        count = await _receive_into(stream, view[filled:])
+        chunk = await stream.receive_some(len(view) - filled)  # never past the handshake's own bytes
+        count = len(chunk)
+        view[filled : filled + count] = chunk
         if count == 0:
             raise RemoteProtocolError("connection ended inside a frame", reason="truncated_frame")
         filled += count

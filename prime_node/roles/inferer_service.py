@@ -200,7 +200,12 @@ class InfererService:
         }
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings, member_host
+        from prime_node.verification.batch_transfer import (
+            BatchTransfer,
+            TransferSettings,
+            listen_host,
+            member_host,
+        )
         from prime_node.verification.reputation import ReputationService
         from prime_node.verification.topics import VERDICTS_TOPIC
 
@@ -214,6 +219,7 @@ class InfererService:
         self.transfer = BatchTransfer(
             self.key,
             host_of=lambda address: member_host(context, address),
+            host=listen_host(context),
             settings=TransferSettings(hold_bytes=hold),
         )
         async with trio.open_nursery() as nursery:

@@ -19,6 +19,7 @@ from prime_node.swarm.holdings import Holdings
 from prime_node.swarm.transport import DataPlane
 from prime_node.swarm.versions import ManifestWait, open_known, open_sent
 from protocol.codec import decode_any, encode
+from protocol.dataplane import decode_piece
 from protocol.envelope import Envelope
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import Manifest
@@ -103,7 +104,10 @@ class VersionExchange:
 
     def on_frame(self, peer: Address, frame: bytes) -> None:
         try:
-            message = decode_any(frame, max_bytes=max(Piece.MAX_BYTES, ManifestEnvelope.MAX_BYTES))
+            # Pieces (almost every byte) skip the general codec's copies; anything else is decoded by it.
+            message = decode_piece(frame) or decode_any(
+                frame, max_bytes=max(Piece.MAX_BYTES, ManifestEnvelope.MAX_BYTES)
+            )
         except RemoteProtocolError as exc:
             self.ban(peer, f"undecodable frame ({exc.reason})")
             return

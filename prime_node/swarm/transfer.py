@@ -18,6 +18,7 @@ from typing import Protocol
 
 from prime_node.swarm.checkpoint import read_piece_from_files
 from protocol.codec import Message, decode_any, encode
+from protocol.dataplane import decode_piece, encode_piece
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import Manifest
 from protocol.swarm.messages import Piece, Reject, Request
@@ -106,7 +107,7 @@ class CheckpointTransfer:
         """One frame received from ``peer``. Undecodable bytes ban the peer."""
         self.bytes_in += len(data)
         try:
-            message = decode_any(data, max_bytes=Piece.MAX_BYTES)
+            message = decode_piece(data) or decode_any(data, max_bytes=Piece.MAX_BYTES)
         except RemoteProtocolError as exc:
             log.warning("banning %s: undecodable frame (%s: %s)", peer, exc.reason, exc)
             self._run(self.node.ban(peer, exc.reason, now), now)
@@ -131,7 +132,7 @@ class CheckpointTransfer:
                 # download. A neighbour that asks a leecher is refused once per piece and asks elsewhere.
                 self._emit(action.peer, encode(action.message))
             elif isinstance(action, Upload):
-                frame = encode(Piece(self.manifest_id, action.index, self.pieces.read(action.index)))
+                frame = encode_piece(self.manifest_id, action.index, self.pieces.read(action.index))
                 self._emit(action.peer, frame)
                 queue += self.node.upload_done(action.peer, action.index, now)
             elif isinstance(action, Verify):

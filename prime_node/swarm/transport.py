@@ -45,6 +45,10 @@ MAX_QUEUED_BYTES = 64 << 20
 """Per channel: four of the largest pieces. Honest peers ask for one piece at a time per version."""
 MAX_QUEUED_FRAMES = 4096
 DEFAULT_MAX_INBOUND = 32
+MAX_BATCH_FRAMES = 256
+MAX_BATCH_BYTES = 4 << 20
+"""One channel write carries at most this much (several small frames, or one piece and what follows it):
+its deadline is that of a frame of the batch's length."""
 
 
 @dataclass
@@ -232,20 +236,36 @@ class DataPlane:
             self.on_down(link.peer)
 
     async def _sender(self, link: Link) -> None:
+        """Send the queue in batches (every queued frame up to ``MAX_BATCH_FRAMES`` / ``MAX_BATCH_BYTES``
+        goes out in one channel write): a piece and the ``have``s queued behind it cost one system call."""
         try:
             while link.alive:
                 if not link.queue:
                     link.wake = trio.Event()
                     await link.wake.wait()
                     continue
-                frame = link.queue[0]  # stays queued (and reserved) until it is sent
-                await link.channel.send_frame(frame)
-                self.bytes_out += len(frame)
+                batch = _next_batch(link.queue)  # stays queued (and reserved) until it is sent
+                await link.channel.send_frames(batch)
+                size = sum(len(frame) for frame in batch)
+                self.bytes_out += size
                 if not link.alive:  # dropped meanwhile: the queue is already cleared and released
                     break
-                link.queue.popleft()
-                link.queued_bytes -= len(frame)
-                link.channel.account.release(len(frame))
+                for _ in batch:
+                    link.queue.popleft()
+                link.queued_bytes -= size
+                link.channel.account.release(size)
         except ChannelError as exc:
             log.info("data plane: sending to %s failed: %s", link.peer, exc)
         self._drop(link)
+
+
+def _next_batch(queue: deque[bytes]) -> list[bytes]:
+    """The frames at the head of ``queue`` that go out together (at least one)."""
+    batch: list[bytes] = []
+    size = 0
+    for frame in queue:
+        if batch and (len(batch) == MAX_BATCH_FRAMES or size + len(frame) > MAX_BATCH_BYTES):
+            break
+        batch.append(frame)
+        size += len(frame)
+    return batch

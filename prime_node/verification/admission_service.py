@@ -40,7 +40,7 @@ from crypto.keys import Address
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission import VerdictBook
-from prime_node.verification.batch_transfer import BatchTransfer, member_host
+from prime_node.verification.batch_transfer import BatchTransfer, listen_host, member_host
 from prime_node.verification.reputation import ReputationService
 from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
 from protocol.codec import decode
@@ -136,6 +136,7 @@ class AdmissionService:
                 self.transfer = BatchTransfer(
                     context.key,
                     host_of=lambda address: member_host(context, address),
+                    host=listen_host(context),
                     on_bad_bytes=self._bad_bytes,
                 )
             if not self.transfer.running:

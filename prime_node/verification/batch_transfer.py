@@ -95,6 +95,15 @@ HostLookup = Callable[[Address], "str | None"]
 BadBytes = Callable[[Holder, str], None]
 
 
+def listen_host(context: NodeContext) -> str:
+    """Where our batch listener binds: where libp2p listens (loopback stays loopback, else all addresses),
+    as the weight swarm's data plane does."""
+    addresses = context.host.listen_multiaddrs()
+    if addresses and all(address.startswith("/ip4/127.") for address in addresses):
+        return "127.0.0.1"
+    return "0.0.0.0"
+
+
 def member_host(context: NodeContext, address: Address) -> str | None:
     """The dialable host of a run member, from its verified peer record's multiaddrs."""
     for member in context.membership.members():

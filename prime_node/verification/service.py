@@ -42,7 +42,7 @@ from crypto.keys import Address, WalletKey
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission_service import AcceptedBatch, AdmissionService
-from prime_node.verification.batch_transfer import BatchTransfer, member_host
+from prime_node.verification.batch_transfer import BatchTransfer, listen_host, member_host
 from prime_node.verification.proving import rollout_domain
 from prime_node.verification.reasons import Reason
 from prime_node.verification.reputation import ReputationService
@@ -228,6 +228,7 @@ class ValidatorService:
                 self.transfer = BatchTransfer(
                     self.key,
                     host_of=lambda address: member_host(context, address),
+                    host=listen_host(context),
                     on_bad_bytes=self._bad_bytes,
                 )
             if not self.transfer.running:

@@ -25,7 +25,7 @@ from prime_node.dataplane.channel import (
 )
 from prime_node.dataplane.streams import TCP, StreamTransport
 from prime_node.testing.memory_streams import MemoryStreamNetwork
-from protocol.dataplane import FRAME_HEADER, HANDSHAKE_MAX_FRAME
+from protocol.dataplane import FRAME_HEADER, HANDSHAKE_MAX_FRAME, FrameDeadlines
 
 A, B, C = (WalletKey(hashlib.sha256(label).digest()) for label in (b"a", b"b", b"c"))
 HOST = "127.0.0.1"
@@ -284,3 +284,67 @@ async def test_dialing_a_closed_port_is_a_clear_error(transport: StreamTransport
     with pytest.raises(ChannelError) as caught:
         await open_channel(HOST, port, A, expected_peer=B.address, transport=transport)
     assert caught.value.reason == "dial_failed"
+
+
+async def test_a_batch_of_small_and_large_frames_arrives_whole_and_in_order(
+    transport: StreamTransport, clock: object
+) -> None:
+    """``send_frames`` writes many frames at once; the receiver cuts small ones out of its read buffer
+    and reads large bodies into their own chunks, with the bytes after a body (its tag, the next
+    frames) arriving in the same read."""
+    sizes = [0, 5, 36, 32 << 10, (32 << 10) + 1, 1 << 20, 3, 70_000, 4 << 20, 1, 2, (64 << 10) - 40]
+    frames = [os.urandom(size) for size in sizes] * 3
+    received: list[bytes] = []
+
+    async def collect(channel: AuthenticatedChannel) -> None:
+        async for frame in channel:
+            received.append(frame)
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(functools.partial(serve_channels, B, collect, transport=transport))
+        channel = await open_channel(HOST, port, A, expected_peer=B.address, transport=transport)
+        await channel.send_frames(frames[:10])
+        for frame in frames[10:20]:
+            await channel.send_frame(frame)
+        await channel.send_frames(frames[20:])
+        with trio.fail_after(10):
+            while len(received) < len(frames):
+                await trio.sleep(0.01)
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert [len(frame) for frame in received] == [len(frame) for frame in frames]
+    assert received == frames
+
+
+async def test_over_tcp_a_body_trickling_under_the_low_water_mark_still_counts_as_progress() -> None:
+    """A reader waiting inside a large body asks the kernel to wake it only once many bytes are in
+    (``SO_RCVLOWAT``), but it still looks every ``idle / 20`` s: the last 256 KiB of a 1 MiB body sent in
+    16 KiB slices every 0.2 s (far under the mark) never trip a 0.5 s idle deadline, and arrive intact."""
+    deadlines = FrameDeadlines(idle=0.5, grace=30.0, min_rate=1 << 20)
+    body = os.urandom(1 << 20)
+    outcome: list[object] = []
+
+    async def receive_one(channel: AuthenticatedChannel) -> None:
+        try:
+            outcome.append(await channel.receive_frame())
+        except ChannelError as exc:
+            outcome.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(
+            functools.partial(serve_channels, B, receive_one, deadlines=deadlines, transport=TCP)
+        )
+        channel = await open_channel(HOST, port, A, expected_peer=B.address, transport=TCP)
+        header, tag = channel._sealer.seal(body)
+        wire = header + body + tag
+        slice_size = 16 << 10
+        await channel._stream.send_all(wire[: 768 << 10])  # then a wait for the rest, under the mark
+        for start in range(768 << 10, len(wire), slice_size):
+            await trio.sleep(0.2)
+            await channel._stream.send_all(wire[start : start + slice_size])
+        with trio.fail_after(10):
+            while not outcome:
+                await trio.sleep(0.01)
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert outcome == [body]

@@ -1,0 +1,68 @@
+"""The piece frame's own encoder/decoder (protocol/dataplane.py) against the general codec: the same bytes
+out, and a frame is taken only if the codec would read it as that very piece."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol.codec import decode_any, encode
+from protocol.dataplane import decode_piece, encode_piece
+from protocol.errors import LocalProtocolError
+from protocol.manifest import MAX_PIECE_SIZE, MAX_PIECES
+from protocol.swarm.messages import Have, Piece
+
+manifest_ids = st.binary(min_size=32, max_size=32)
+indices = st.integers(0, MAX_PIECES - 1) | st.sampled_from([0, 127, 128, 255, 256, 65535, 65536])
+bodies = st.binary(max_size=600) | st.integers(0, 70_000).map(bytes)
+
+
+@given(manifest_ids, indices, bodies)
+def test_encoding_a_piece_gives_the_codecs_bytes_and_reads_back(mid: bytes, index: int, data: bytes) -> None:
+    frame = encode_piece(mid, index, data)
+    assert frame == encode(Piece(mid, index, data))
+    assert decode_piece(frame) == Piece(mid, index, data) == decode_any(frame)
+
+
+@given(manifest_ids, indices, st.binary(max_size=300), st.data())
+def test_a_changed_frame_is_taken_only_as_the_codec_reads_it(
+    mid: bytes, index: int, data: bytes, draw: st.DataObject
+) -> None:
+    frame = bytearray(encode(Piece(mid, index, data)))
+    for _ in range(draw.draw(st.integers(1, 3))):
+        action = draw.draw(st.sampled_from(["flip", "cut", "add"]))
+        position = draw.draw(st.integers(0, len(frame)))
+        if action == "flip" and position < len(frame):
+            frame[position] ^= draw.draw(st.integers(1, 255))
+        elif action == "cut":
+            del frame[position : position + draw.draw(st.integers(1, 4))]
+        else:
+            frame[position:position] = draw.draw(st.binary(min_size=1, max_size=4))
+    fast = decode_piece(bytes(frame))
+    if fast is None:
+        return
+    assert fast == decode_any(bytes(frame))
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        encode(Have(bytes(32), 3)),
+        b"",
+        encode(Piece(bytes(32), 200, b"x"))[:-1],
+        encode(Piece(bytes(32), 200, b"x")) + b"y",
+        encode(Piece(bytes(32), 5, b"x")).replace(b"\x05\xc4", b"\xcc\x05\xc4"),  # index not in shortest form
+    ],
+)
+def test_frames_that_are_not_a_canonical_piece_are_left_to_the_codec(frame: bytes) -> None:
+    assert decode_piece(frame) is None
+
+
+def test_fields_out_of_bounds_are_refused_as_the_codec_refuses_them() -> None:
+    with pytest.raises(LocalProtocolError):
+        encode_piece(bytes(31), 0, b"x")
+    with pytest.raises(LocalProtocolError):
+        encode_piece(bytes(32), MAX_PIECES, b"x")
+    with pytest.raises(LocalProtocolError):
+        encode_piece(bytes(32), 0, bytes(MAX_PIECE_SIZE + 1))
