@@ -23,7 +23,18 @@ written). ``direct`` runs direct_peer.py: the same swarm state machine, piece st
 fixed full mesh, without libp2p. The one-tier baseline (``--one-tier-impl``, default ``direct``) is a
 plain seeder origin (no super-seeding) with receivers that dial only it and serve nobody.
 
+What a user would pick instead, in the same run (``--skip-libtorrent``, ``--skip-cold`` leave them out):
+libtorrent (benchmarks/broadcast_support/torrent_peer.py, the ``bench`` extra: one plain seeder, the same
+receivers, a .torrent of the same directory with the same piece size, no DHT/LSD/UPnP/trackers, every peer
+given explicitly, TCP only) timed like the swarm phase (``libtorrent_s``, ``ratio_to_libtorrent`` = ours ÷
+theirs); then ``prime-node share`` and 15 ``prime-node fetch`` processes started cold (imports, keystore
+unlock, libp2p start, discovery, data; ``cold_s`` from the fetches' launch to the last directory written,
+each fetch's ``phases``), and libtorrent receivers started cold the same way (``cold_ratio_to_libtorrent``).
+``origin_upload_copies`` = bytes on the origin's link ÷ F; ``origin_super_seeding.first_pass_s`` = when the
+origin had sent every piece once.
+
     .venv/bin/python benchmarks/broadcast.py                      # 16 peers, 256 MB, 20 MB/s up (~5 min)
+    .venv/bin/python benchmarks/broadcast.py --size-mb 128 --upload-mbps 5 --skip-one-tier   # issue 15
     .venv/bin/python benchmarks/broadcast.py --upload-mbps 5 --skip-one-tier
 
 Rates are in MB/s (10^6 bytes per second), as everywhere in docs/benchmarks.md. Needs root (network
@@ -44,6 +55,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -57,6 +70,9 @@ SUPPORT = ROOT / "benchmarks" / "broadcast_support"
 MB = 1_000_000
 DATA_PORT = 7400
 PROBE_PORT = 7500
+TORRENT_PORT = 7600
+P2P_PORT = 4001
+PASSWORD_ENV = "BROADCAST_KEYSTORE_PASSWORD"
 SHARDS = 4
 READY_TIMEOUT = 120.0
 STOP_TIMEOUT = 15.0
@@ -115,10 +131,16 @@ class Proc:
                     self.arrived.notify_all()
 
     def wait_event(self, name: str, deadline: float) -> tuple[float, dict[str, Any]] | None:
+        return self.wait_for(lambda event: event.get("event") == name, deadline)
+
+    def wait_for(
+        self, match: Callable[[dict[str, Any]], bool], deadline: float
+    ) -> tuple[float, dict[str, Any]] | None:
+        """The first JSON line ``match`` accepts, with its arrival time; None at the deadline or exit."""
         with self.arrived:
             while True:
                 for when, event in self.events:
-                    if event.get("event") == name:
+                    if match(event):
                         return when, event
                 left = deadline - time.monotonic()
                 if left <= 0 or self.popen.poll() is not None:
@@ -359,6 +381,12 @@ class Setup:
     min_links: int
     no_super_seed: bool
     piece_size: int | None
+    piece_bytes: int = 0
+    torrent_file: Path | None = None
+    keystores: list[Path] = field(default_factory=list)
+    fetch_seed_until: str = "swarm"
+    compare_seed_until: tuple[str, ...] = ()
+    password: str = ""
 
 
 def _direct_argv(setup: Setup, peer: NetPeer, stores: Path, peers_file: Path, one_tier: bool) -> list[str]:
@@ -478,6 +506,7 @@ def run_phase(setup: Setup, *, one_tier: bool) -> dict[str, Any]:
         "first_finish_s": round(times[0], 2) if times else None,
         "median_finish_s": round(times[len(times) // 2], 2) if times else None,
         "origin_sent_mb": round(sent[0] / MB, 1),
+        "origin_upload_copies": round(sent[0] / setup.size, 3),
         "receivers_sent_mb": round(sum(sent[1:]) / MB, 1),
         "duplicate_share": round(max(0.0, sum(sent) / (receivers * setup.size) - 1), 3),
         "start_up_s": round(ready_s, 1),
@@ -490,6 +519,10 @@ def run_phase(setup: Setup, *, one_tier: bool) -> dict[str, Any]:
     }
     if setup.impl == "service":
         result["links_at_start"] = links[1:]
+        origin_stats = stats[0][1] if stats[0] is not None else {}
+        keys = ("served", "pieces_served_twice_or_more", "opened", "opened_unrequested", "opened_unspread",
+                "hop_time_s", "spread_deadline_s", "first_pass_s")  # fmt: skip
+        result["origin_super_seeding"] = {k: origin_stats[k] for k in keys if k in origin_stats}
         if len(written) == receivers:
             result["written_s"] = round(max(written.values()), 2)
     if len(finished) < receivers:
@@ -532,6 +565,297 @@ def _stream_digest(files: list[Path]) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------------------
+# What a user would pick instead: libtorrent over the same links, and both tools started cold
+
+
+def _trees_identical(setup: Setup, trees: list[Path]) -> bool:
+    """Every directory in ``trees`` holds the origin's files, byte for byte (outside the timing)."""
+    want = _stream_digest(sorted(p for p in setup.checkpoint.rglob("*") if p.is_file()))
+    return all(_stream_digest(sorted(p for p in tree.rglob("*") if p.is_file())) == want for tree in trees)
+
+
+def _summary(setup: Setup, finished: dict[int, float], sent: list[int]) -> dict[str, Any]:
+    times = sorted(finished.values())
+    receivers = len(setup.keys) - 1
+    return {
+        "complete": len(finished),
+        "receivers": receivers,
+        "broadcast_s": round(times[-1], 2) if len(finished) == receivers else None,
+        "first_finish_s": round(times[0], 2) if times else None,
+        "median_finish_s": round(times[len(times) // 2], 2) if times else None,
+        "origin_sent_mb": round(sent[0] / MB, 1),
+        "origin_upload_copies": round(sent[0] / setup.size, 3),
+        "receivers_sent_mb": round(sum(sent[1:]) / MB, 1),
+        "duplicate_share": round(max(0.0, sum(sent) / (receivers * setup.size) - 1), 3),
+    }
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's reaped children (cold phases: processes that exit count too)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_torrent_phase(setup: Setup, *, cold: bool) -> dict[str, Any]:
+    """libtorrent: one plain seeder and the same receivers. Warm: every process is running with the torrent
+    added before "go" (like the swarm phase); cold: the seeder hashes the directory into a .torrent (as
+    ``share`` hashes its manifest), then the receivers are started as fresh processes and timed from their
+    launch. Receivers keep seeding until the last one has finished (a BitTorrent client's habit)."""
+    lab, work = setup.lab, setup.work
+    phase = "torrent_cold" if cold else "torrent"
+    stores = work / f"stores-{phase}"
+    stores.mkdir()
+    log = work / f"{phase}.log"
+    torrent = stores / "checkpoint.torrent" if cold else setup.torrent_file
+    assert torrent is not None
+    script = [sys.executable, str(SUPPORT / "torrent_peer.py")]
+    wait = [] if cold else ["--wait-go"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs: list[Proc] = []
+    cpu_before = _children_cpu_s()
+    try:
+        seeder = [
+            *script,
+            "--listen",
+            f"{lab.peers[0].address}:{TORRENT_PORT}",
+            "--seed",
+            str(setup.checkpoint),
+        ]
+        if cold:
+            seeder += ["--make-torrent", str(torrent), "--piece-kib", str(setup.piece_bytes // 1024)]
+        else:
+            seeder += ["--torrent", str(torrent), "--wait-go"]
+        launched = time.monotonic()
+        procs.append(start(lab, lab.peers[0], seeder, env, log, "seeder"))
+        ready = procs[0].wait_event("ready", launched + READY_TIMEOUT)
+        if ready is None:
+            raise RuntimeError(f"{phase}: the seeder never became ready: {tail(log)}")
+        seeder_ready_s = ready[0] - launched
+        sent_before = [lab.sent_bytes(p) for p in lab.peers]
+
+        def receiver(peer: NetPeer) -> list[str]:
+            # Warm: each dials the lower indices (a full mesh, as the direct swarm peers); cold: every other
+            # peer, again every second until done, since they start at different moments.
+            others = [p for p in lab.peers if p.index < peer.index or (cold and p.index != peer.index)]
+            return [*script, "--listen", f"{peer.address}:{TORRENT_PORT}", "--torrent", str(torrent),
+                    "--save", str(stores / f"p{peer.index}"), *wait, "--redial", "1" if cold else "0",
+                    "--dial", *[f"{p.address}:{TORRENT_PORT}" for p in others]]  # fmt: skip
+
+        cpu_warm: dict[int, float] = {}
+        if not cold:  # every receiver running, torrent added, before the clock starts
+            for peer in lab.peers[1:]:
+                procs.append(start(lab, peer, receiver(peer), env, log, f"p{peer.index}"))
+            for proc in procs:
+                if proc.wait_event("ready", time.monotonic() + READY_TIMEOUT) is None:
+                    raise RuntimeError(f"{phase}: {proc.name} never became ready: {tail(log)}")
+            cpu_warm = {proc.popen.pid: _process_seconds(proc.popen.pid) for proc in procs}
+            sent_before = [lab.sent_bytes(p) for p in lab.peers]
+        sampler = CpuSampler([]).__enter__()
+        started = time.monotonic()
+        if cold:
+            for peer in lab.peers[1:]:
+                procs.append(start(lab, peer, receiver(peer), env, log, f"p{peer.index}"))
+        else:
+            for proc in procs:
+                proc.tell("go")
+        deadline = started + setup.timeout
+        finished: dict[int, float] = {}
+        for index, proc in enumerate(procs[1:], start=1):
+            got = proc.wait_event("complete", deadline)
+            if got is not None:
+                finished[index] = got[0] - started
+        machine = sampler.stop()
+        sent = [lab.sent_bytes(p) - before for p, before in zip(lab.peers, sent_before, strict=True)]
+        peers_cpu = sum(_process_seconds(pid) - was for pid, was in cpu_warm.items()) if not cold else None
+        for proc in procs:
+            proc.tell("stop")
+        stats_deadline = time.monotonic() + STOP_TIMEOUT
+        for proc in procs:
+            proc.wait_event("stats", stats_deadline)
+    finally:
+        for proc in procs:
+            proc.end()
+    result = _summary(setup, finished, sent)
+    gb = (len(setup.keys) - 1) * setup.size / 1e9
+    cpu: dict[str, Any] = {"machine_busy": machine["machine_busy"]}
+    if peers_cpu is not None:
+        cpu |= {"peers_cpu_s": round(peers_cpu, 2), "peers_cpu_s_per_gb_delivered": round(peers_cpu / gb, 2)}
+    else:  # every process from launch to exit, the seeder's hashing included
+        total = _children_cpu_s() - cpu_before
+        cpu |= {"processes_cpu_s": round(total, 2), "processes_cpu_s_per_gb_delivered": round(total / gb, 2)}
+    result["cpu"] = cpu
+    if cold:
+        result["seeder_ready_s"] = round(seeder_ready_s, 2)
+    if len(finished) == len(setup.keys) - 1:
+        result["stores_identical"] = _trees_identical(
+            setup, [stores / f"p{i}" / setup.checkpoint.name for i in range(1, len(setup.keys))]
+        )
+    else:
+        result["log_tail"] = tail(log)
+    shutil.rmtree(stores, ignore_errors=True)
+    return result
+
+
+def _cli_argv(setup: Setup, peer: NetPeer, data: Path) -> list[str]:
+    """The flags every ``prime-node`` process of the cold phase takes (what a user passes)."""
+    return ["--listen", f"/ip4/{peer.address}/tcp/{P2P_PORT}", "--dataplane-host", peer.address,
+            "--dataplane-port", str(DATA_PORT), "--keystore", str(setup.keystores[peer.index]),
+            "--password-env", PASSWORD_ENV, "--data-dir", str(data), "--run", "bench", "--json"]  # fmt: skip
+
+
+def run_cold_phase(setup: Setup, *, ephemeral: bool = False) -> dict[str, Any]:
+    """``prime-node share`` then 15 ``prime-node fetch`` processes started cold (imports, keystore unlock,
+    libp2p start, discovery, data), timed from the fetches' launch to the last directory written; each
+    fetch prints the seconds from its start to each phase (``phases``)."""
+    lab, work = setup.lab, setup.work
+    name = f"cold-{setup.fetch_seed_until}" + ("-ephemeral" if ephemeral else "")
+    stores = work / f"stores-{name}"
+    stores.mkdir()
+    log = work / f"{name}.log"
+    cli = [sys.executable, "-m", "prime_node.cli.main"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{PASSWORD_ENV: setup.password})
+    origin = lab.peers[0]
+    procs: list[Proc] = []
+    cpu_before = _children_cpu_s()
+    exits: dict[int, float] = {}
+    try:
+        piece = ["--piece-size", str(setup.piece_size)] if setup.piece_size else []
+        share = [*cli, "share", str(setup.checkpoint), "--step", "1", *piece,
+                 *_cli_argv(setup, origin, stores / "p0")]  # fmt: skip
+        launched = time.monotonic()
+        procs.append(start(lab, origin, share, env, log, "share"))
+        shared = procs[0].wait_for(lambda event: "manifest_id" in event, launched + READY_TIMEOUT)
+        if shared is None:
+            raise RuntimeError(f"cold: share never printed its manifest: {tail(log)}")
+        share_ready_s = shared[0] - launched
+        mid = shared[1]["manifest_id"]
+        bootstrap = next(m for m in shared[1]["multiaddrs"] if f"/ip4/{origin.address}/" in m)
+        sent_before = [lab.sent_bytes(p) for p in lab.peers]
+        with CpuSampler([]) as sampler:
+            started = time.monotonic()
+            for peer in lab.peers[1:]:
+                argv = [*cli, "fetch", mid, "--out", str(stores / f"p{peer.index}" / "out"),
+                        "--trainer", setup.addresses[0], "--bootstrap", bootstrap,
+                        "--seed-until", setup.fetch_seed_until, *(["--ephemeral-key"] if ephemeral else []),
+                        *_cli_argv(setup, peer, stores / f"p{peer.index}" / "data")]  # fmt: skip
+                procs.append(start(lab, peer, argv, env, log, f"p{peer.index}"))
+            deadline = started + setup.timeout
+            finished: dict[int, float] = {}
+            phases: list[dict[str, float]] = []
+            for index, proc in enumerate(procs[1:], start=1):
+                got = proc.wait_for(lambda event: "out" in event, deadline)
+                if got is not None:
+                    finished[index] = got[0] - started
+                    phases.append(got[1].get("phases", {}))
+            machine = sampler.stop()
+            sent = [lab.sent_bytes(p) - before for p, before in zip(lab.peers, sent_before, strict=True)]
+            for index, proc in enumerate(procs[1:], start=1):  # --seed-until swarm: they leave by themselves
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.popen.wait(timeout=max(1.0, deadline + STOP_TIMEOUT - time.monotonic()))
+                    exits[index] = time.monotonic() - started
+    finally:
+        for proc in procs:
+            proc.end()
+    result = _summary(setup, finished, sent)
+    result |= {
+        "share_ready_s": round(share_ready_s, 2),
+        "last_exit_s": round(max(exits.values()), 2) if len(exits) == len(procs) - 1 else None,
+        "exit_codes": sorted({proc.popen.returncode for proc in procs[1:]}),
+    }
+    if phases:  # median over the fetches of the seconds from process start to each phase
+        names = ["cli", "imports", "key", "node_up", "manifest", "first_piece", "written"]
+        result["fetch_phases_median_s"] = {
+            name: sorted(p[name] for p in phases if name in p)[len(phases) // 2]
+            for name in names
+            if all(name in p for p in phases)
+        }
+    total = _children_cpu_s() - cpu_before
+    gb = (len(setup.keys) - 1) * setup.size / 1e9
+    result["cpu"] = {
+        "machine_busy": machine["machine_busy"],
+        "processes_cpu_s": round(total, 2),
+        "processes_cpu_s_per_gb_delivered": round(total / gb, 2),
+    }
+    if len(finished) == len(setup.keys) - 1:
+        result["stores_identical"] = _trees_identical(
+            setup, [stores / f"p{i}" / "out" for i in range(1, len(setup.keys))]
+        )
+    else:
+        result["log_tail"] = tail(log)
+    shutil.rmtree(stores, ignore_errors=True)
+    return result
+
+
+def make_keystores(directory: Path, secrets: list[str], password: str) -> list[Path]:
+    """One keystore per peer, with the default (slow, as users have it) scrypt; made outside the timing."""
+    from crypto.keys import WalletKey
+    from prime_node.wallet_store import create_keystore
+
+    directory.mkdir()
+    paths = [directory / f"p{i}.json" for i in range(len(secrets))]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda i: create_keystore(paths[i], WalletKey(bytes.fromhex(secrets[i])), password),
+                      range(len(secrets))))  # fmt: skip
+    return paths
+
+
+def make_torrent(checkpoint: Path, out: Path, piece_size: int) -> Path:
+    """The .torrent every libtorrent phase but the cold one uses (made outside the timing)."""
+    import importlib
+
+    sys.path.insert(0, str(SUPPORT))
+    importlib.import_module("torrent_peer").make_torrent(checkpoint, out, piece_size)
+    return out
+
+
+def run_alternatives(
+    setup: Setup, result: dict[str, Any], bound: float, *, libtorrent: bool, cold: bool, ephemeral: bool
+) -> None:
+    """libtorrent over the same links (warm), then ``share`` + ``fetch`` and libtorrent started cold; the
+    ratios go into ``result`` (ours ÷ theirs: below 1 is faster than libtorrent)."""
+    swarm_s = result["swarm"]["broadcast_s"]
+    if libtorrent:
+        torrent = run_torrent_phase(setup, cold=False)
+        result["libtorrent"] = torrent
+        result["libtorrent_s"] = torrent["broadcast_s"]
+        if torrent["broadcast_s"] and swarm_s:
+            result["ratio_to_libtorrent"] = round(swarm_s / torrent["broadcast_s"], 3)
+        result["libtorrent_ratio_to_bound"] = _ratio(torrent["broadcast_s"], bound)
+        result["libtorrent_cpu_s_per_gb_delivered"] = torrent["cpu"].get("peers_cpu_s_per_gb_delivered")
+    if cold:
+        ours = run_cold_phase(setup)
+        result["cold"] = ours
+        result["cold_s"] = ours["broadcast_s"]
+        result["cold_ratio_to_bound"] = _ratio(ours["broadcast_s"], bound)
+        result["cold_origin_upload_copies"] = ours["origin_upload_copies"]
+        if libtorrent:
+            theirs = run_torrent_phase(setup, cold=True)
+            result["libtorrent_cold"] = theirs
+            result["libtorrent_cold_s"] = theirs["broadcast_s"]
+            result["libtorrent_cold_ratio_to_bound"] = _ratio(theirs["broadcast_s"], bound)
+            if ours["broadcast_s"] and theirs["broadcast_s"]:
+                result["cold_ratio_to_libtorrent"] = round(ours["broadcast_s"] / theirs["broadcast_s"], 3)
+        if ephemeral:  # fetch --ephemeral-key: no keystore unlock
+            light = run_cold_phase(setup, ephemeral=True)
+            result["cold_ephemeral"] = light
+            result["cold_ephemeral_s"] = light["broadcast_s"]
+            result["cold_ephemeral_ratio_to_bound"] = _ratio(light["broadcast_s"], bound)
+            theirs_s = result.get("libtorrent_cold_s")
+            if light["broadcast_s"] and theirs_s:
+                result["cold_ephemeral_ratio_to_libtorrent"] = round(light["broadcast_s"] / theirs_s, 3)
+        for until in setup.compare_seed_until:  # the same cold phase with another --seed-until (A/B)
+            other = run_cold_phase(replace(setup, fetch_seed_until=until))
+            result[f"cold_seed_until_{until}"] = other
+            result[f"cold_seed_until_{until}_ratio_to_bound"] = _ratio(other["broadcast_s"], bound)
+
+
+def _ratio(seconds: float | None, bound: float) -> float | None:
+    return round(seconds / bound, 3) if seconds else None
+
+
+# --------------------------------------------------------------------------------------------------------
 
 
 def skipped(reason: str) -> NoReturn:
@@ -556,6 +880,14 @@ def main() -> None:
     parser.add_argument("--piece-kib", type=int, default=None, help="piece size, KiB (default: "
                         "choose_piece_size, 1 MiB for 256 MB)")  # fmt: skip
     parser.add_argument("--skip-one-tier", action="store_true")
+    parser.add_argument("--skip-libtorrent", action="store_true", help="no libtorrent baseline (warm, cold)")
+    parser.add_argument("--skip-cold", action="store_true", help="no cold share/fetch (and libtorrent) phase")
+    parser.add_argument("--cold-ephemeral", action="store_true", help="also time the cold fetches with "
+                        "--ephemeral-key (no keystore unlock)")  # fmt: skip
+    parser.add_argument("--cold-compare-seed-until", nargs="*", default=[], help="run the cold phase again "
+                        "with each of these --seed-until values (e.g. done)")  # fmt: skip
+    parser.add_argument("--fetch-seed-until", default="swarm", help="cold phase: fetch's --seed-until "
+                        "(done: exit once written, as before issue 15)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=None, help="per phase, s (default: 4 x its bound)")
     impl_help = "service: full nodes with SwarmService (libp2p discovery); direct: swarm core, fixed mesh"
     parser.add_argument("--impl", choices=("service", "direct"), default="service", help=impl_help)
@@ -648,7 +980,22 @@ def main() -> None:
             args.min_links,
             args.no_super_seed,
             args.piece_kib * 1024 if args.piece_kib else None,
+            shared.manifest.piece_size,
         )
+        if not args.skip_libtorrent:
+            torrent_file = make_torrent(checkpoint, work / "checkpoint.torrent", shared.manifest.piece_size)
+            setup = replace(setup, torrent_file=torrent_file)
+        if not args.skip_cold:
+            password = os.urandom(12).hex()
+            keystores = make_keystores(work / "keystores", setup.keys, password)
+            setup = replace(
+                setup,
+                keystores=keystores,
+                password=password,
+                fetch_seed_until=args.fetch_seed_until,
+                compare_seed_until=tuple(args.cold_compare_seed_until),
+            )
+            result["fetch_seed_until"] = args.fetch_seed_until
         swarm = run_phase(setup, one_tier=False)
         result["swarm"] = swarm
         if swarm["broadcast_s"] is not None:
@@ -657,6 +1004,15 @@ def main() -> None:
         else:
             result["ratio_to_bound"] = None
         result["goal_ratio_to_bound"] = 1.15
+        result["origin_upload_copies"] = swarm["origin_upload_copies"]
+        run_alternatives(
+            setup,
+            result,
+            bound,
+            libtorrent=not args.skip_libtorrent,
+            cold=not args.skip_cold,
+            ephemeral=args.cold_ephemeral and not args.skip_cold,
+        )
         if not args.skip_one_tier:
             tier_setup = replace(
                 setup, impl=args.one_tier_impl, timeout=args.timeout or 1.3 * one_tier_bound + 30

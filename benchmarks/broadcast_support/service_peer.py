@@ -78,6 +78,7 @@ async def run(args: argparse.Namespace) -> None:
                 mid = bytes.fromhex(line.split()[1]) if len(line.split()) > 1 else b""
                 break
         start_cpu = cpu_seconds()
+        went = swarm.clock.now()
         if mid and not args.origin:
             if args.dial_origin:  # one tier: every receiver must reach the origin itself
                 host, port = args.dial_origin.rsplit(":", 1)
@@ -104,11 +105,23 @@ async def run(args: argparse.Namespace) -> None:
         if version is not None and not version.origin:  # for a stalled fetch: what it waits for
             state = version.transfer.node
             missing = state.full & ~state.have
-            extra = {
+            extra: dict[str, float | None] = {
                 "have": state.have.bit_count(),
                 "sessions": len(state.peers),
                 "sessions_holding_missing": sum(1 for s in state.peers.values() if s.bits & missing),
                 "requests_in_flight": state.picker.outstanding,
+            }
+        elif version is not None:  # the origin: how super-seeding went
+            state = version.transfer.node
+            extra = {
+                "served": sum(state.served),
+                "pieces_served_twice_or_more": sum(1 for n in state.served if n > 1),
+                "opened": state.open.bit_count(),
+                "opened_unrequested": state.opened_unrequested,
+                "opened_unspread": state.opened_unspread,
+                "hop_time_s": round(state.hop_time, 3),
+                "spread_deadline_s": round(state.spread_deadline(), 3),
+                "first_pass_s": None if state.first_pass_at is None else round(state.first_pass_at - went, 2),
             }
         else:
             extra = {}

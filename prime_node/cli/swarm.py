@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -15,14 +19,21 @@ import typer
 from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, RunOption, with_node_flags
 from prime_node.cli.options import JsonOption
 from prime_node.errors import NodeError
+from prime_node.paths import PASSWORD_FILE_ENV
 
 if TYPE_CHECKING:
-    from crypto.keys import WalletKey
+    from crypto.keys import Address, WalletKey
     from prime_node.node.service import Node
     from prime_node.node_config import NodeConfig
     from prime_node.swarm.service import SwarmService
 
 STORE_SUBDIR = "swarm"
+SWARM_SEED_LIMIT = 300.0
+"""``--seed-until swarm`` stops serving after this many seconds even if a peer still lacks pieces."""
+SEED_POLL = 0.25
+SEED_IDLE = 10.0
+"""``--seed-until swarm``: after this many seconds, a peer that has not asked us for a piece within the
+last SEED_IDLE s no longer counts as wanting one."""
 DataplaneHostOption = Annotated[
     str, typer.Option("--dataplane-host", help="Address the data plane listens on.")
 ]
@@ -102,15 +113,148 @@ def fetch(
     timeout: Annotated[
         float, typer.Option("--timeout", help="Give up if no peer offers the manifest within this many s.")
     ] = 60.0,
+    seed_until: Annotated[
+        str,
+        typer.Option(
+            "--seed-until",
+            help="After writing --out, keep serving until: 'swarm' (every connected peer that wanted the "
+            f"checkpoint holds it or has stopped asking us for {SEED_IDLE:g} s; at most "
+            f"{SWARM_SEED_LIMIT:g} s, 'swarm:SECONDS' to change that), "
+            "'done' (exit at once), 'never' (until Ctrl-C) or a duration ('90', '90s', '5m').",
+        ),
+    ] = "swarm",
+    ephemeral_key: Annotated[
+        bool,
+        typer.Option(
+            "--ephemeral-key",
+            help="Fetch under a throwaway identity: no keystore to unlock (fetching signs nothing); peers "
+            "see a new address each run.",
+        ),
+    ] = False,
     as_json: JsonOption = False,
     node: NodeFlags = DEFAULT_FLAGS,
     run: RunOption = "demo",
     dataplane_host: DataplaneHostOption = "0.0.0.0",
 ) -> None:
-    """Download checkpoint MANIFEST_ID from the swarm, verify every piece, write it to --out atomically.
-    A rerun after an interruption resumes from the pieces already verified in --data-dir."""
+    """Download checkpoint MANIFEST_ID from the swarm, verify every piece, write it to --out atomically,
+    then keep serving it (--seed-until). A rerun after an interruption resumes from the pieces already
+    verified in --data-dir. With --json the line printed when --out is written carries `phases`: seconds
+    from process start to each step (CLI parsed, imports, key unlocked, node up, manifest, first piece,
+    written)."""
+    phases = {"cli": _process_age()}
+    policy = parse_seed_until(seed_until)
+    mid, trainer_address, run = _fetch_target(manifest_id, trainer, run_config, run)
+    out = out.absolute()
+    if out.exists():
+        raise NodeError(f"{out} already exists; choose another --out or remove it", reason="output_exists")
+    _probe_writable(out.parent)
+    config = node.config(run)
+    with _KeyInBackground(node, ephemeral=ephemeral_key) as unlocking:
+        # The keystore's scrypt (~1 CPU-s) releases the GIL: these imports (~0.4 s) run beside it.
+        from prime_node.node.runner import run_node_until_signal  # noqa: F401  (libp2p, trio: timed)
+        from prime_node.swarm.service import SwarmService
+
+        phases["imports"] = _process_age()
+        key = unlocking.key()
+    phases["key"] = _process_age()
+    swarm = SwarmService(
+        key=key,
+        run_id=config.run_id,
+        trainer=trainer_address,
+        store_dir=config.data_dir / STORE_SUBDIR,
+        dataplane_host=dataplane_host,
+        dataplane_port=node.dataplane_port,
+        follow=False,
+        upload=not no_upload,
+    )
+
+    async def body(running: Node) -> None:
+        import trio
+
+        from protocol.codec import decode
+        from protocol.manifest import Manifest
+
+        phases["node_up"] = _process_age()
+        started = trio.current_time()
+        found = None
+        with trio.move_on_after(timeout):
+            found = await swarm.get_manifest(mid)
+        if found is None:
+            raise NodeError(
+                f"no peer offered manifest {manifest_id} within {timeout:g} s", reason="manifest_not_found"
+            )
+        phases["manifest"] = _process_age()
+        manifest = found[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_show_progress, swarm, mid, manifest.piece_count, manifest.piece_size)
+            nursery.start_soon(_note_first_piece, swarm, mid, phases)
+            path = await swarm.fetch(mid, out=out)
+            nursery.cancel_scope.cancel()
+        phases["written"] = _process_age()
+        seconds = trio.current_time() - started
+        written = manifest
+        if manifest.is_delta:  # --out holds the full checkpoint the delta rebuilt: report that one
+            known = swarm.known.get(manifest.target)
+            if known is not None:
+                written = decode(known.payload, Manifest)
+        if as_json:
+            document = {
+                "manifest_id": manifest_id.lower(),
+                "step": written.step,
+                "bytes": written.total_size,
+                "pieces": written.piece_count,
+                "resumed_pieces": swarm.resumed_pieces(mid),
+                "seconds": round(seconds, 3),
+                "out": str(path),
+                "phases": {name: round(at, 3) for name, at in phases.items()},
+            }
+            if manifest.is_delta:
+                document |= {"delta_of": manifest.base.hex(), "full_manifest_id": manifest.target.hex()}
+            typer.echo(json.dumps(document))
+        else:
+            typer.echo(f"wrote {path} (step {written.step}, {written.total_size} bytes, {seconds:.1f} s)")
+        await seed_version(swarm, mid, manifest.signer, policy)
+
+    _run(config, key, swarm, body, until_signal=policy.mode == "never")
+
+
+class _KeyInBackground:
+    """The node's key, unlocked in a worker thread while the caller imports (when no password prompt can
+    appear: a prompt must own the terminal); ``ephemeral``: a fresh key, nothing to unlock."""
+
+    def __init__(self, node: NodeFlags, *, ephemeral: bool) -> None:
+        self.node = node
+        self.ephemeral = ephemeral
+        self.pool: ThreadPoolExecutor | None = None
+        self.future: Future[WalletKey] | None = None
+
+    def __enter__(self) -> _KeyInBackground:
+        node = self.node
+        given = (
+            node.password_env or node.password_file or node.no_password or os.environ.get(PASSWORD_FILE_ENV)
+        )
+        if not self.ephemeral and (given or not sys.stdin.isatty()):
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="keystore")
+            self.future = self.pool.submit(node.key)
+        return self
+
+    def key(self) -> WalletKey:
+        if self.ephemeral:
+            from crypto.keys import WalletKey
+
+            return WalletKey.generate()
+        return self.future.result() if self.future is not None else self.node.key()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
+def _fetch_target(
+    manifest_id: str, trainer: str | None, run_config: Path | None, run: str
+) -> tuple[bytes, Address | None, str]:
+    """The manifest id, the trainer to insist on and the run, from fetch's arguments."""
     from crypto.keys import Address
-    from prime_node.swarm.service import SwarmService
 
     try:
         mid = bytes.fromhex(manifest_id)
@@ -128,55 +272,99 @@ def fetch(
         run = loaded.run_id
         if trainer_address is None and loaded.trainer_address:
             trainer_address = Address.parse(loaded.trainer_address)
-    out = out.absolute()
-    if out.exists():
-        raise NodeError(f"{out} already exists; choose another --out or remove it", reason="output_exists")
-    _probe_writable(out.parent)
-    config = node.config(run)
-    key = node.key()
-    swarm = SwarmService(
-        key=key,
-        run_id=config.run_id,
-        trainer=trainer_address,
-        store_dir=config.data_dir / STORE_SUBDIR,
-        dataplane_host=dataplane_host,
-        dataplane_port=node.dataplane_port,
-        follow=False,
-        upload=not no_upload,
-    )
+    return mid, trainer_address, run
 
-    async def body(running: Node) -> None:
-        import trio
 
-        started = trio.current_time()
-        found = None
-        with trio.move_on_after(timeout):
-            found = await swarm.get_manifest(mid)
-        if found is None:
-            raise NodeError(
-                f"no peer offered manifest {manifest_id} within {timeout:g} s", reason="manifest_not_found"
-            )
-        manifest = found[1]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_show_progress, swarm, mid, manifest.piece_count, manifest.piece_size)
-            path = await swarm.fetch(mid, out=out)
-            nursery.cancel_scope.cancel()
-        seconds = trio.current_time() - started
-        if as_json:
-            document = {
-                "manifest_id": manifest_id.lower(),
-                "step": manifest.step,
-                "bytes": manifest.total_size,
-                "pieces": manifest.piece_count,
-                "resumed_pieces": swarm.resumed_pieces(mid),
-                "seconds": round(seconds, 3),
-                "out": str(path),
-            }
-            typer.echo(json.dumps(document))
-        else:
-            typer.echo(f"wrote {path} (step {manifest.step}, {manifest.total_size} bytes, {seconds:.1f} s)")
+# --- seeding after a fetch ---------------------------------------------------------------------------
 
-    _run(config, key, swarm, body, until_signal=False)
+
+@dataclass(frozen=True)
+class SeedPolicy:
+    """How long ``fetch`` keeps serving once its copy is written (``--seed-until``)."""
+
+    mode: str
+    """"done", "swarm", "never" or "duration"."""
+    seconds: float = 0.0
+    """"duration": how long; "swarm": the most it waits for the swarm."""
+
+
+def parse_seed_until(text: str) -> SeedPolicy:
+    """``done`` | ``never`` | ``swarm`` | ``swarm:DURATION`` | ``DURATION`` (``90``, ``90s``, ``5m``)."""
+    value = text.strip().lower()
+    if value in ("done", "never"):
+        return SeedPolicy(value)
+    if value == "swarm":
+        return SeedPolicy("swarm", SWARM_SEED_LIMIT)
+    if value.startswith("swarm:"):
+        return SeedPolicy("swarm", _duration(value[6:], text))
+    return SeedPolicy("duration", _duration(value, text))
+
+
+def _duration(value: str, text: str) -> float:
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(value[-1:], 1.0)
+    number = value[:-1] if value[-1:] in ("s", "m", "h") else value
+    try:
+        seconds = float(number) * scale
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise NodeError(
+            f"--seed-until: want done, swarm, swarm:DURATION, never or a duration (90s), not {text[:40]!r}",
+            reason="bad_option",
+        )
+    return seconds
+
+
+async def seed_version(swarm: SwarmService, mid: bytes, origin: Address, policy: SeedPolicy) -> None:
+    """Keep the node (and so the upload of ``mid``) running as ``policy`` says, then return."""
+    import trio
+
+    if policy.mode == "done":
+        return
+    if policy.mode == "never":
+        await trio.sleep_forever()
+    if policy.mode == "duration":
+        await trio.sleep(policy.seconds)
+        return
+    written = swarm.clock.now()
+    with trio.move_on_after(policy.seconds):
+        while True:
+            version = swarm.versions.get(mid)
+            if version is None:
+                return
+            now = swarm.clock.now()
+            # Wait for every peer that lacks pieces, but once we have served SEED_IDLE s, only for those
+            # still asking us (a peer that lacks pieces and never requests them does not hold us).
+            since = None if now - written < SEED_IDLE else now - SEED_IDLE
+            if not [peer for peer in version.transfer.node.peers_wanting(since) if peer != origin]:
+                return
+            await trio.sleep(SEED_POLL)
+
+
+async def _note_first_piece(swarm: SwarmService, mid: bytes, phases: dict[str, float]) -> None:
+    """Record when the first piece of this fetch was verified (``phases["first_piece"]``)."""
+    import trio
+
+    start = swarm.resumed_pieces(mid)
+    while True:
+        held = swarm.progress(mid)
+        if held is not None and held[0] > start:
+            phases["first_piece"] = _process_age()
+            return
+        await trio.sleep(0.05)
+
+
+def _process_age() -> float:
+    """Seconds since this process started (Linux: from /proc; elsewhere since this module was loaded)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _LOADED
+
+
+_LOADED = time.monotonic()
 
 
 # --- shared plumbing ---------------------------------------------------------------------------------

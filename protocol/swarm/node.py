@@ -16,6 +16,8 @@ Protocol per connection: both sides send a ``Bitfield`` first, then ``Have`` for
 the downloader sends ``Request``s (a few per peer), the uploader answers with ``Piece`` or ``Reject``;
 ``Cancel`` withdraws a request. A peer that sends a piece failing its hash, or a piece nobody asked it
 for, is banned: disconnected and refused on reconnect, and its outstanding pieces are asked of others.
+``have``s go only to peers that lack pieces; on completion a node sends its full bitfield to the others,
+so a complete peer that keeps seeding knows when no connected peer wants the version (``peers_wanting``).
 
 Super-seeding (for the origin): instead of its full bitfield, the origin reveals to each peer only a
 few pieces, and while any piece has never been uploaded, each revealed piece is one nobody has received
@@ -120,7 +122,8 @@ class PeerSession:
     timeouts: int = 0
     revealed: dict[int, float] = field(default_factory=dict)
     """Super-seeding: pieces revealed to this peer and not yet sent, with the time of the reveal."""
-    last_request: float = 0.0
+    last_request: float = float("-inf")
+    """When it last asked us for a piece."""
     sent: int = 0
     """Pieces we uploaded to it (whether or not it admits to holding them)."""
     strikes: int = 0
@@ -168,6 +171,11 @@ class SwarmNode:
         """First-pass pieces uploaded and not yet announced by another peer: receiver, upload time."""
         self.hop_time = 0.0
         """Moving average of one hop: our upload to the receiver's ``have`` (0: no sample yet)."""
+        self.opened_unrequested = 0
+        self.opened_unspread = 0
+        """Super-seeding: pieces opened because a reveal went unrequested, or an upload did not spread."""
+        self.first_pass_at: float | None = None
+        """Super-seeding: when the last never-uploaded piece was uploaded (the swarm then holds a copy)."""
 
     @property
     def have(self) -> int:
@@ -176,6 +184,17 @@ class SwarmNode:
     @property
     def complete(self) -> bool:
         return self.picker.complete
+
+    def peers_wanting(self, asked_since: float | None = None) -> list[Hashable]:
+        """Connected peers that have not announced every piece (with ``asked_since``: only those whose
+        last request to us came at or after it). What a fetcher that keeps seeding waits for; a
+        super-seeding origin never announces every piece, so callers leave it out."""
+        full = self.full
+        return [
+            peer
+            for peer, session in self.peers.items()
+            if session.bits != full and (asked_since is None or session.last_request >= asked_since)
+        ]
 
     # --- connection events -----------------------------------------------------------------------------
 
@@ -297,11 +316,10 @@ class SwarmNode:
         self._check_index(index)
         if not self.have >> index & 1:
             return [Send(peer, Reject(self.manifest_id, index, "missing"))]
-        if self.super_seed:
-            session = self.peers[peer]
-            session.last_request = now
-            if index not in session.revealed and not self.open >> index & 1:
-                return [Send(peer, Reject(self.manifest_id, index, "not_offered"))]
+        session = self.peers[peer]
+        session.last_request = now
+        if self.super_seed and index not in session.revealed and not self.open >> index & 1:
+            return [Send(peer, Reject(self.manifest_id, index, "not_offered"))]
         if not self.uploads.request(peer, index):
             return [Send(peer, Reject(self.manifest_id, index, "too_many_requests"))]
         return self._start_uploads()
@@ -367,6 +385,10 @@ class SwarmNode:
         full = self.full
         actions += [Send(p, have) for p, s in self.peers.items() if s.bits != full]
         if self.picker.complete:
+            # Peers that hold everything got no `have`s from us; tell them we are complete too, so a
+            # fetcher that keeps seeding knows when nobody needs it any more (``peers_wanting``).
+            done = Bitfield(self.manifest_id, to_wire(full, self.piece_count))
+            actions += [Send(p, done) for p, s in self.peers.items() if s.bits == full]
             actions.append(Completed())
         return actions + self._fill_all(now)
 
@@ -380,6 +402,8 @@ class SwarmNode:
             first = self.served[index] == 1 and not self.open >> index & 1
             if first:
                 self.never_served -= 1
+                if not self.never_served:
+                    self.first_pass_at = now
             session = self.peers.get(peer)
             if session is None:
                 return actions
@@ -449,6 +473,7 @@ class SwarmNode:
                     self.reveals[index] -= 1
                     session.strikes += 1
                     stuck.append(index)
+                    self.opened_unrequested += 1
         for index, (holder, sent_at) in list(self.unspread.items()):
             if now - sent_at < 2 * deadline:
                 continue
@@ -464,6 +489,7 @@ class SwarmNode:
             if any(not s.hoarding for s in lacking):  # it had someone to serve it to
                 self.peers[holder].strikes += 1
             stuck.append(index)
+            self.opened_unspread += 1
         if not stuck:
             return []
         return self._open(stuck) + self._reveal_all(now)
