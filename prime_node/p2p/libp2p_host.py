@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 GOSSIPSUB_PROTOCOL = "/meshsub/1.1.0"
 DIAL_TIMEOUT = 10.0
 NEVER_TRIM = 10.0**9
+GOSSIP_PRUNE_BACKOFF = 10
+# A GRAFT this soon after a PRUNE is a flood. py-libp2p's default equals the backoff it announces in that
+# PRUNE, but the pruned peer rounds the backoff down to whole seconds and grafts again up to 1 s early, so
+# honest peers were "flooding" each other: each GRAFT refused, penalised and answered with a PRUNE that
+# restarted the cycle (~2.5 GRAFT/PRUNE per second per node in an idle 16-node swarm).
+GOSSIP_GRAFT_FLOOD_THRESHOLD = GOSSIP_PRUNE_BACKOFF - 2.0
 PROVIDER_LOOKUP_COUNT = 40  # ask for twice a store's worth, so a crowd of one group does not fill the answer
 
 
@@ -308,19 +314,21 @@ def _gossipsub(heartbeat_interval: int) -> Any:
     from libp2p.custom_types import TProtocol
     from libp2p.pubsub.gossipsub import GossipSub
 
-    return GossipSub(
+    router = GossipSub(
         protocols=[TProtocol(GOSSIPSUB_PROTOCOL)],
         degree=6,
         degree_low=4,
         degree_high=12,
         heartbeat_interval=heartbeat_interval,
-        prune_back_off=10,
+        prune_back_off=GOSSIP_PRUNE_BACKOFF,
         max_messages_per_topic_per_second=1000.0,
         # Its "v2.0" extras measure IP diversity and adapt degrees; with peers that share an IP (one machine,
         # one data centre, loopback) they shrink meshes and heartbeats go missing. Off: our own scoring rules.
         adaptive_gossip_enabled=False,
         eclipse_protection_enabled=False,
     )
+    router.graft_flood_threshold = GOSSIP_GRAFT_FLOOD_THRESHOLD
+    return router
 
 
 def _bind_error(exc: BaseException) -> OSError | None:

@@ -1,0 +1,37 @@
+"""The gossipsub router the host builds: a peer that waits out the PRUNE backoff it was given is not
+treated as a GRAFT flooder (py-libp2p stores that backoff rounded down to whole seconds, so the GRAFT can
+come up to 1 s early), while a GRAFT right after a PRUNE still is."""
+
+from __future__ import annotations
+
+import time
+
+from libp2p.peer.id import ID
+
+from crypto.keys import WalletKey
+from prime_node.p2p.libp2p_host import GOSSIP_PRUNE_BACKOFF, _gossipsub
+
+TOPIC = "prime-node/test/heartbeats"
+
+
+def _peer() -> ID:
+    from libp2p.crypto.secp256k1 import create_new_key_pair
+
+    return ID.from_pubkey(create_new_key_pair(WalletKey.generate().secret).public_key)
+
+
+def test_graft_after_the_rounded_backoff_is_accepted() -> None:
+    router = _gossipsub(1)
+    peer = _peer()
+    # The pruned peer's own backoff: int(time.time()) + backoff, i.e. as little as backoff - 1 s.
+    router.graft_flood_tracking[peer][TOPIC] = time.time() - (GOSSIP_PRUNE_BACKOFF - 1) - 0.01
+    assert router._check_graft_flood_protection(peer, TOPIC)
+
+
+def test_graft_soon_after_a_prune_is_still_a_flood() -> None:
+    router = _gossipsub(1)
+    peer = _peer()
+    router.graft_flood_tracking[peer][TOPIC] = time.time() - 1.0
+    assert not router._check_graft_flood_protection(peer, TOPIC)
+    router.graft_flood_tracking[peer][TOPIC] = time.time() - GOSSIP_PRUNE_BACKOFF / 2
+    assert not router._check_graft_flood_protection(peer, TOPIC)
