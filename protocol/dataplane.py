@@ -38,7 +38,7 @@ from crypto.signatures import recover_address
 from protocol.codec import ExactLen, Message, decode, encode, message
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.manifest import MAX_PIECE_SIZE, MAX_PIECES
-from protocol.swarm.messages import Piece
+from protocol.swarm.messages import Cancel, Have, Piece, Request
 
 PROTOCOL_TAG = b"prime-node/dataplane/v1"
 KEY_CONTEXT = "prime-node 2026 dataplane v1 session keys"
@@ -487,3 +487,41 @@ def decode_piece(frame: bytes) -> Piece | None:
     if not length_size or head is None or len(frame) != data_at + length or frame[:data_at] != head:
         return None
     return Piece(manifest_id, index, frame[data_at:])
+
+
+# --- have / request / cancel without the general codec ------------------------------------------------------
+#
+# After the pieces, the commonest frames are the three (manifest_id, index) messages: every verified piece
+# sends a ``have`` to each neighbour that lacks it. Their canonical form is fixed too,
+# [1, type, [manifest_id, index]], and the same rule holds: ``decode_indexed`` accepts a frame only if it is
+# byte for byte ``encode`` of what it returns.
+
+IndexedMessage = Have | Request | Cancel
+_INDEXED_FIELDS = b"\x92\xc4" + bytes([DIGEST_SIZE])  # [manifest_id (bin 8, 32 bytes), ...
+_INDEXED: dict[bytes, type[Have] | type[Request] | type[Cancel]] = {
+    b"\x93\x01" + bytes([0xA0 | len(kind.TYPE)]) + kind.TYPE.encode() + _INDEXED_FIELDS: kind
+    for kind in (Have, Request, Cancel)
+}
+_INDEXED_PREFIX = {kind: prefix for prefix, kind in _INDEXED.items()}
+
+
+def encode_indexed(message: IndexedMessage) -> bytes:
+    """``encode(message)`` for a have, request or cancel, without the general codec."""
+    if len(message.manifest_id) != DIGEST_SIZE or not 0 <= message.index < MAX_PIECES:
+        return encode(message)  # raises LocalProtocolError
+    return _INDEXED_PREFIX[type(message)] + message.manifest_id + _uint(message.index)
+
+
+def decode_indexed(frame: bytes) -> IndexedMessage | None:
+    """The have, request or cancel ``frame`` encodes canonically, or None if it is anything else."""
+    if len(frame) < 3 or not 0xA0 <= frame[2] < 0xC0:
+        return None
+    index_at = 6 + (frame[2] & 0x1F) + DIGEST_SIZE
+    kind = _INDEXED.get(frame[: index_at - DIGEST_SIZE])
+    if kind is None or not index_at < len(frame) <= index_at + 5:
+        return None
+    marker = frame[index_at]
+    index = marker if marker < 0x80 else int.from_bytes(frame[index_at + 1 :], "big")
+    if index >= MAX_PIECES or frame[index_at:] != _uint(index):
+        return None
+    return kind(frame[index_at - DIGEST_SIZE : index_at], index)

@@ -35,8 +35,10 @@ DEFAULT_PIECE_SIZE = 4 << 20
 # piece size / upload rate: with too few pieces that latency is a large share of the broadcast time.
 # benchmarks/broadcast.py, 256 MB over 16 shaped peers: 62 x 4 MiB pieces gave 1.37-1.44 x T*, 245 x 1 MiB
 # gave 1.13 x T*. So smaller checkpoints get smaller pieces, down to a floor where per-piece costs (a
-# request, a MAC'd frame, a hash) stay small.
-MIN_PIECES_WANTED = 256
+# request, a MAC'd frame, a hash) stay small. Not more than that: each piece also costs a `have` to every
+# neighbour, and on 2 shared cores (issue 15, 20 MB/s links) 489 x 512 KiB pieces gave 1.64 x T* and
+# 10.4 CPU-s/GB where 245 x 1 MiB gave 1.48 and 9.1. 240, not 256, so that 256 MB (10^6) gets 1 MiB.
+MIN_PIECES_WANTED = 240
 SMALLEST_DEFAULT_PIECE_SIZE = 256 << 10
 REQUIRED_FILE = "config.json"
 

@@ -16,10 +16,10 @@ from crypto.keys import Address, WalletKey
 from prime_node.dataplane.streams import TCP, StreamTransport
 from prime_node.errors import NodeError
 from prime_node.swarm.holdings import Holdings
+from prime_node.swarm.transfer import decode_frame
 from prime_node.swarm.transport import DataPlane
 from prime_node.swarm.versions import ManifestWait, open_known, open_sent
-from protocol.codec import decode_any, encode
-from protocol.dataplane import decode_piece
+from protocol.codec import encode
 from protocol.envelope import Envelope
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import Manifest
@@ -104,10 +104,8 @@ class VersionExchange:
 
     def on_frame(self, peer: Address, frame: bytes) -> None:
         try:
-            # Pieces (almost every byte) skip the general codec's copies; anything else is decoded by it.
-            message = decode_piece(frame) or decode_any(
-                frame, max_bytes=max(Piece.MAX_BYTES, ManifestEnvelope.MAX_BYTES)
-            )
+            # Pieces (almost every byte) and haves (most frames) skip the general codec.
+            message = decode_frame(frame, max(Piece.MAX_BYTES, ManifestEnvelope.MAX_BYTES))
         except RemoteProtocolError as exc:
             self.ban(peer, f"undecodable frame ({exc.reason})")
             return

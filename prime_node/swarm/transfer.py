@@ -18,10 +18,10 @@ from typing import Protocol
 
 from prime_node.swarm.checkpoint import read_piece_from_files
 from protocol.codec import Message, decode_any, encode
-from protocol.dataplane import decode_piece, encode_piece
+from protocol.dataplane import decode_indexed, decode_piece, encode_indexed, encode_piece
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import Manifest
-from protocol.swarm.messages import Piece, Reject, Request
+from protocol.swarm.messages import Cancel, Have, Piece, Reject, Request
 from protocol.swarm.node import (
     Action,
     Completed,
@@ -38,6 +38,19 @@ log = logging.getLogger(__name__)
 
 SendFrame = Callable[[Hashable, bytes], None]
 ClosePeer = Callable[[Hashable, str], None]
+
+
+def decode_frame(frame: bytes, max_bytes: int = Piece.MAX_BYTES) -> Message:
+    """One swarm frame: pieces, ``have``s, requests and cancels (almost every frame) without the general
+    codec's passes, anything else through it. RemoteProtocolError if it is not a message."""
+    return decode_piece(frame) or decode_indexed(frame) or decode_any(frame, max_bytes=max_bytes)
+
+
+def encode_message(message: Message) -> bytes:
+    """``encode(message)``, with ``have``, request and cancel on their own fast path."""
+    if isinstance(message, Have | Request | Cancel):
+        return encode_indexed(message)
+    return encode(message)
 
 
 class PieceSource(Protocol):
@@ -107,7 +120,7 @@ class CheckpointTransfer:
         """One frame received from ``peer``. Undecodable bytes ban the peer."""
         self.bytes_in += len(data)
         try:
-            message = decode_piece(data) or decode_any(data, max_bytes=Piece.MAX_BYTES)
+            message = decode_frame(data)
         except RemoteProtocolError as exc:
             log.warning("banning %s: undecodable frame (%s: %s)", peer, exc.reason, exc)
             self._run(self.node.ban(peer, exc.reason, now), now)
@@ -124,13 +137,16 @@ class CheckpointTransfer:
 
     def _run(self, actions: list[Action], now: float) -> None:
         queue = deque(actions)
+        last: tuple[Message, bytes] | None = None  # a verified piece's one `have` goes to many peers
         while queue:
             action = queue.popleft()
             if isinstance(action, Send):
                 # A leecher still tells the truth about what it holds (``have``, bitfield): a
                 # super-seeding origin reveals each peer only pieces it lacks, so hiding them stalls the
                 # download. A neighbour that asks a leecher is refused once per piece and asks elsewhere.
-                self._emit(action.peer, encode(action.message))
+                if last is None or last[0] is not action.message:
+                    last = (action.message, encode_message(action.message))
+                self._emit(action.peer, last[1])
             elif isinstance(action, Upload):
                 frame = encode_piece(self.manifest_id, action.index, self.pieces.read(action.index))
                 self._emit(action.peer, frame)

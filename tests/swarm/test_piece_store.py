@@ -69,6 +69,8 @@ def test_directories_that_are_not_models_are_refused(tmp_path: Path) -> None:
         choose_piece_size(10, 3000)
     assert choose_piece_size(10) == 256 << 10
     assert choose_piece_size(256 << 20) == 1 << 20  # 256 pieces
+    assert choose_piece_size(256 * 10**6) == 1 << 20  # 245 pieces (benchmarks/broadcast.py's checkpoint)
+    assert choose_piece_size(100 * 10**6) == 256 << 10  # 382 pieces: 512 KiB would give 191
     assert choose_piece_size(62 << 30) == 4 << 20  # 15,872 pieces
     assert choose_piece_size(1 << 40) == 8 << 20  # doubled to fit MAX_PIECES (131,072)
 
