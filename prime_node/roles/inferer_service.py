@@ -203,8 +203,6 @@ class InfererService:
         from prime_node.verification.batch_transfer import (
             BatchTransfer,
             TransferSettings,
-            listen_host,
-            member_host,
         )
         from prime_node.verification.reputation import ReputationService
         from prime_node.verification.topics import VERDICTS_TOPIC
@@ -216,12 +214,7 @@ class InfererService:
             await context.gossip.subscribe(VERDICTS_TOPIC, self.on_verdict)
         # Hold enough of our own batches for every one still awaiting its verdicts and the trainer.
         hold = max(4, 2 * self.max_in_flight) * self.config.max_rollout_batch_bytes
-        self.transfer = BatchTransfer(
-            self.key,
-            host_of=lambda address: member_host(context, address),
-            host=listen_host(context),
-            settings=TransferSettings(hold_bytes=hold),
-        )
+        self.transfer = BatchTransfer.for_node(context, self.key, settings=TransferSettings(hold_bytes=hold))
         async with trio.open_nursery() as nursery:
             await nursery.start(self.transfer.run)
             task_status.started()

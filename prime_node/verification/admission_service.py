@@ -40,7 +40,7 @@ from crypto.keys import Address
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission import VerdictBook
-from prime_node.verification.batch_transfer import BatchTransfer, listen_host, member_host
+from prime_node.verification.batch_transfer import BatchTransfer
 from prime_node.verification.reputation import ReputationService
 from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
 from protocol.codec import decode
@@ -133,12 +133,7 @@ class AdmissionService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             if self.transfer is None:
-                self.transfer = BatchTransfer(
-                    context.key,
-                    host_of=lambda address: member_host(context, address),
-                    host=listen_host(context),
-                    on_bad_bytes=self._bad_bytes,
-                )
+                self.transfer = BatchTransfer.for_node(context, context.key, on_bad_bytes=self._bad_bytes)
             if not self.transfer.running:
                 await nursery.start(self.transfer.run)
             await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)

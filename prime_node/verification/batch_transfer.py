@@ -116,6 +116,25 @@ class BatchTransfer:
     """See the module doc. ``host_of`` maps a holder's address to a host to dial; ``on_bad_bytes`` is
     told of every peer caught sending bytes that are not the batch it was asked for."""
 
+    @classmethod
+    def for_node(
+        cls,
+        context: NodeContext,
+        key: WalletKey,
+        *,
+        on_bad_bytes: BadBytes | None = None,
+        settings: TransferSettings | None = None,
+    ) -> BatchTransfer:
+        """The transfer a role service runs: it dials run members at their peer records' hosts and listens
+        where the node's libp2p host does."""
+        return cls(
+            key,
+            host_of=lambda address: member_host(context, address),
+            host=listen_host(context),
+            on_bad_bytes=on_bad_bytes,
+            settings=settings,
+        )
+
     def __init__(
         self,
         key: WalletKey,

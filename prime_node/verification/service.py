@@ -42,7 +42,7 @@ from crypto.keys import Address, WalletKey
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission_service import AcceptedBatch, AdmissionService
-from prime_node.verification.batch_transfer import BatchTransfer, listen_host, member_host
+from prime_node.verification.batch_transfer import BatchTransfer
 from prime_node.verification.proving import rollout_domain
 from prime_node.verification.reasons import Reason
 from prime_node.verification.reputation import ReputationService
@@ -225,12 +225,7 @@ class ValidatorService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             if self.transfer is None:
-                self.transfer = BatchTransfer(
-                    self.key,
-                    host_of=lambda address: member_host(context, address),
-                    host=listen_host(context),
-                    on_bad_bytes=self._bad_bytes,
-                )
+                self.transfer = BatchTransfer.for_node(context, self.key, on_bad_bytes=self._bad_bytes)
             if not self.transfer.running:
                 await nursery.start(self.transfer.run)
             if self.trainer is not None:
