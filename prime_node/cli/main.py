@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "prime_node.cli.validate",
     "prime_node.cli.swarm",
     "prime_node.cli.demo",
+    "prime_node.cli.doctor",
 )
 
 log = logging.getLogger("prime_node")
