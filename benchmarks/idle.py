@@ -9,12 +9,15 @@ Prints one JSON line: ``idle_cpu_share_of_one_core_per_node`` (mean and max over
 ÷ window), the machine's busy share over the same window (load from other work shows there), and with
 ``--profile`` where node 1's CPU went (cProfile on the process clock over the window: cumulative time of
 each long-running task, and the functions with most own time; profiling itself slows node 1 several
-times over, so read it as shares). ``node1_traffic_per_s``: node 1's own counters (heartbeat frames,
-gossip messages, discovery rounds) per second over the window. Goal (issue 16): mean ≤ 0.01 for 16 nodes
-over 60 s.
+times over, so read it as shares), and with ``--spy`` where the other receivers' CPU went (py-spy
+sampling them, non-blocking, merged: on-CPU samples grouped by the task they run in and by the innermost
+function; cheap enough that their CPU shares stay comparable). ``node1_traffic_per_s``: node 1's own
+counters (heartbeat frames, gossip messages, discovery rounds) per second over the window. Goal (issue
+16): mean ≤ 0.01 for 16 nodes over 60 s.
 
     .venv/bin/python benchmarks/idle.py                     # 16 nodes, 60 s window (~2 min)
     .venv/bin/python benchmarks/idle.py --nodes 4 --window 20 --profile
+    .venv/bin/python benchmarks/idle.py --heartbeat-interval 300 --spy   # the floor without heartbeats
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from crypto.keys import WalletKey  # noqa: E402
 
 PEER = ROOT / "benchmarks" / "broadcast_support" / "service_peer.py"
+SPY = Path(sys.executable).parent / "py-spy"
 READY_TIMEOUT = 120.0
 CHECKPOINT_BYTES = 256 * 1024
 
@@ -191,6 +195,72 @@ def profile_summary(path: Path, window: float, top: int) -> dict[str, Any]:
     }
 
 
+SPY_TASKS = [  # (label, frame substring): the outermost matching frame of a sample names its task
+    ("gossipsub: heartbeat", "heartbeat (libp2p/pubsub/gossipsub.py"),
+    ("gossipsub: read RPCs", "continuously_read_stream (libp2p/pubsub/pubsub.py"),
+    ("gossipsub: send queue", "handle_sending_messages (libp2p/pubsub/pubsub.py"),
+    ("yamux: read frames", "handle_incoming (libp2p/stream_muxer/yamux/yamux.py"),
+    ("yamux: RTT pings", "_measure_rtt_loop (libp2p/stream_muxer/yamux/yamux.py"),
+    ("yamux: stale-stream sweeper", "_stale_stream_sweeper (libp2p/stream_muxer/yamux/yamux.py"),
+    ("kademlia", "libp2p/kad_dht/"),
+    ("node: heartbeat loop", "_heartbeat_loop (prime_node/node/service.py"),
+    ("node: membership loop", "_membership_loop (prime_node/node/service.py"),
+    ("node: discovery loop", "_discovery_loop (prime_node/node/service.py"),
+    ("node: direct heartbeats", "prime_node/node/heartbeats.py"),
+    ("node: status API", "prime_node/node/api"),
+    ("swarm: neighbours", "keep_neighbours (prime_node/swarm/neighbours.py"),
+    ("swarm: tick loop", "_tick_loop (prime_node/swarm/service.py"),
+    ("swarm: data plane channels", "prime_node/swarm/transport.py"),
+    ("swarm: data plane channels", "prime_node/dataplane/"),
+    ("trio: scheduler (epoll, timers)", "unrolled_run (trio/_core/_run.py"),
+]
+
+
+def spy_command(pid: int, seconds: float, out: Path) -> list[str]:
+    """py-spy sampling ``pid`` at 50 Hz without pausing it, stacks written raw (collapsed) to ``out``."""
+    return [str(SPY), "record", "--nonblocking", "--format", "raw", "--rate", "50",
+            "--duration", str(int(seconds)), "--pid", str(pid), "--output", str(out)]  # fmt: skip
+
+
+def spy_summary(paths: list[Path], top: int) -> dict[str, Any]:
+    """py-spy raw stacks (``frame;frame;... count``, outermost first) of several nodes merged: the share of
+    on-CPU samples by task (the first SPY_TASKS label any frame matches, innermost task wins) and by
+    innermost function."""
+    tasks: dict[str, int] = {}
+    leaves: dict[str, int] = {}
+    total = 0
+    for path in paths:
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            stack, _, count_text = line.rpartition(" ")
+            if not stack or not count_text.isdigit():
+                continue
+            count = int(count_text)
+            frames = stack.split(";")
+            total += count
+            label = "other"
+            for frame in reversed(frames):
+                label = next((name for name, where in SPY_TASKS if where in frame), "")
+                if label:
+                    break
+            label = label or "other"
+            tasks[label] = tasks.get(label, 0) + count
+            leaf = frames[-1]
+            leaves[leaf] = leaves.get(leaf, 0) + count
+    if not total:
+        return {"samples": 0}
+    return {
+        "samples": total,
+        "by_task_share_of_samples": {
+            name: round(n / total, 3) for name, n in sorted(tasks.items(), key=lambda kv: -kv[1])
+        },
+        "top_innermost_share_of_samples": {
+            name: round(n / total, 3) for name, n in sorted(leaves.items(), key=lambda kv: -kv[1])[:top]
+        },
+    }
+
+
 def _short_path(filename: str) -> str:
     for marker in ("site-packages/", str(ROOT) + "/"):
         if marker in filename:
@@ -210,6 +280,7 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=70.0, help="s after joining; past the DHT warm-up")
     parser.add_argument("--heartbeat-interval", type=float, default=2.0)
     parser.add_argument("--profile", action="store_true", help="cProfile (CPU clock) node 1 over the window")
+    parser.add_argument("--spy", action="store_true", help="py-spy every receiver but node 1 over the window")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = parser.parse_args()
 
@@ -259,6 +330,14 @@ def main() -> None:
         pids = [p.popen.pid for p in procs]
         counters_start = node_counters(work / "n1")
         cpu_start = {pid: process_seconds(pid) for pid in pids}
+        spies = [
+            subprocess.Popen(
+                spy_command(proc.popen.pid, args.window, work / f"{proc.name}.spy"),
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+            for proc in (procs[2:] if args.spy else [])
+        ]
         machine_start = machine_ticks()
         window_start = time.monotonic()
         time.sleep(args.window)
@@ -267,6 +346,8 @@ def main() -> None:
             os.kill(profiled, signal.SIGUSR2)
         counters_end = node_counters(work / "n1")
         shares = [(process_seconds(pid) - cpu_start[pid]) / wall for pid in pids]
+        for spy in spies:
+            spy.wait(timeout=60)
         machine_end = machine_ticks()
         alive = sum(1 for p in procs if p.popen.poll() is None)
         result: dict[str, Any] = {
@@ -280,6 +361,8 @@ def main() -> None:
                 "mean": round(sum(shares) / len(shares), 4),
                 "max": round(max(shares), 4),
                 "origin": round(shares[0], 4),
+                "median": round(sorted(shares)[len(shares) // 2], 4),
+                "mean_without_node1": round(sum(shares[:1] + shares[2:]) / max(1, len(shares) - 1), 4),
             },
             "all_nodes_share_of_one_core": round(sum(shares), 3),
             "machine_busy": round(
@@ -299,6 +382,8 @@ def main() -> None:
                 time.sleep(0.1)
             time.sleep(0.5)
             result["profile_node1"] = profile_summary(stats_file, wall, 15)
+        if spies:
+            result["spy_nodes_2_on"] = spy_summary([work / f"{p.name}.spy" for p in procs[2:]], 25)
         print(json.dumps(result), flush=True)
     finally:
         for proc in procs:

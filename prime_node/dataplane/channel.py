@@ -90,6 +90,8 @@ class AuthenticatedChannel:
         budget: MemoryBudget | None = None,
     ) -> None:
         self._stream = stream
+        self.stream = stream
+        """What the channel runs over (the data plane tells TCP from a libp2p fallback stream by it)."""
         self._io = StreamIO(stream, poll=deadlines.idle / POLLS_PER_IDLE)
         self.remote: Address = keys.remote
         self._sealer = FrameSealer(keys.send_key, keys.send_direction, max_frame=max_frame)
@@ -216,7 +218,10 @@ class AuthenticatedChannel:
                 self._buffer[:unread] = self._buffer[self._start : self._end]
                 self._start, self._end = 0, unread
             view = memoryview(self._buffer)[self._end :]
-            read = await self._io.read([view], count - self._end)
+            # Between frames (nothing of the next one yet) a peer may stay silent: wait for its first byte
+            # without polling; once a frame has begun, the low-water mark and poll keep its deadline honest.
+            expect = 1 if eof_ok and self._end == 0 else count - self._end
+            read = await self._io.read([view], expect)
             if read == 0:
                 if eof_ok and self._end == 0:
                     return False
@@ -463,6 +468,31 @@ async def open_channel(
         stream = await transport.open_stream(host, port)
     except OSError as exc:
         raise ChannelError(f"cannot reach {host}:{port}: {exc}", reason="dial_failed") from exc
+    return await dial_channel(
+        stream,
+        wallet,
+        expected_peer=expected_peer,
+        context=context,
+        max_frame=max_frame,
+        handshake_timeout=handshake_timeout,
+        deadlines=deadlines,
+        budget=budget,
+    )
+
+
+async def dial_channel(
+    stream: trio.abc.Stream,
+    wallet: WalletKey,
+    *,
+    expected_peer: Address,
+    context: str = DEFAULT_CONTEXT,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    deadlines: FrameDeadlines = DEFAULT_DEADLINES,
+    budget: MemoryBudget | None = None,
+) -> AuthenticatedChannel:
+    """Run the dialer's side on a stream we opened (TCP, or a libp2p stream when TCP cannot reach the
+    peer: prime_node/dataplane/libp2p_stream.py); the stream is closed if the handshake fails."""
     keys = await _run_handshake(
         stream, _new_handshake(Role.DIALER, wallet, context, expected_peer), handshake_timeout
     )
@@ -512,30 +542,57 @@ async def serve_channels(
     shared = budget or MemoryBudget()
 
     async def on_connection(stream: trio.abc.Stream) -> None:
-        try:
-            channel = await accept_channel(
-                stream,
-                wallet,
-                context=context,
-                max_frame=max_frame,
-                handshake_timeout=handshake_timeout,
-                deadlines=deadlines,
-                budget=shared,
-            )
-        except ChannelError:
-            return  # already logged and closed
-        try:
-            await handler(channel)
-        except ChannelError as exc:
-            log.info("data plane: channel from %s ended: %s", channel.remote, exc)
-        finally:
-            with trio.CancelScope(shield=True):
-                await channel.aclose()
+        await handle_connection(
+            stream,
+            wallet,
+            handler,
+            context=context,
+            max_frame=max_frame,
+            handshake_timeout=handshake_timeout,
+            deadlines=deadlines,
+            budget=shared,
+        )
 
     listeners, bound_port = await open_listeners(transport, host, port)
     async with trio.open_nursery() as nursery:
         task_status.started(bound_port)
         await trio.serve_listeners(on_connection, listeners, handler_nursery=nursery)
+
+
+async def handle_connection(
+    stream: trio.abc.Stream,
+    wallet: WalletKey,
+    handler: ChannelHandler,
+    *,
+    expected_peer: Address | None = None,
+    context: str = DEFAULT_CONTEXT,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    deadlines: FrameDeadlines = DEFAULT_DEADLINES,
+    budget: MemoryBudget,
+) -> None:
+    """One accepted connection of ``serve_channels`` (or a libp2p fallback stream, whose transport already
+    names the peer: ``expected_peer``): handshake, then ``handler`` owns the channel until it returns."""
+    try:
+        channel = await accept_channel(
+            stream,
+            wallet,
+            expected_peer=expected_peer,
+            context=context,
+            max_frame=max_frame,
+            handshake_timeout=handshake_timeout,
+            deadlines=deadlines,
+            budget=budget,
+        )
+    except ChannelError:
+        return  # already logged and closed
+    try:
+        await handler(channel)
+    except ChannelError as exc:
+        log.info("data plane: channel from %s ended: %s", channel.remote, exc)
+    finally:
+        with trio.CancelScope(shield=True):
+            await channel.aclose()
 
 
 async def open_listeners(

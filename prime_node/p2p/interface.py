@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from prime_node.errors import NodeError
+from prime_node.p2p.nat import NatCounters, Reachability
 
 FRAME_HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 1 << 20
@@ -49,6 +50,9 @@ class ByteStream(Protocol):
     """The raw byte pipe an implementation provides; ``FramedStream`` adds framing on top."""
 
     remote_peer_id: str
+    relayed: bool
+    """The stream runs over a relayed (circuit-relay) connection, not a direct one: every byte also
+    crosses the relay's links (the data plane counts those bytes apart)."""
 
     async def read(self, max_bytes: int) -> bytes:
         """Up to ``max_bytes``; b"" at end of stream."""
@@ -152,6 +156,18 @@ class P2PHost(Protocol):
 
     def mark_known(self, peer_id: str, *, known: bool = True) -> None:
         """Vouch for a peer (or stop): a known peer keeps its connection slots when strangers flood us."""
+        ...
+
+    async def probe_reachability(self, peer_id: str, timeout: float) -> Reachability:
+        """Ask a connected peer to dial us back (prime_node/p2p/nat.py); network trouble is "unknown"."""
+        ...
+
+    async def reserve_relay(self, relay_peer_id: str) -> str:
+        """Reserve a circuit-relay slot on a connected peer; our relayed multiaddr, or NodeError."""
+        ...
+
+    def nat_counters(self) -> NatCounters:
+        """Direct vs relayed connections, relay reservations, hole punches (for the status API)."""
         ...
 
 

@@ -11,6 +11,8 @@ Choices forced by what py-libp2p 0.8.1 does (DESIGN §11):
   unless the user asks for debug logs.
 - Its inbound path has no per-IP budget and its dialer blacklists a peer for 60 s after one failed dial:
   ``inbound_gate.py`` replaces both, ``provider_guard.py`` bounds DHT provider records per IP group.
+- Its swarm skips ``/p2p-circuit`` addresses, so relayed dials, reservations and hole punching go through
+  ``nat_relay.py``; reachability is our own dial-back probe (``nat_dialback.py``, docs/nat.md).
 
 One module over 400 lines on purpose: it is the whole adapter to py-libp2p, so everything that knows the
 library's quirks (bind errors, stream ends, gossipsub and Kademlia set-up) stays behind one interface.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,12 +36,30 @@ from crypto.keys import WalletKey
 from prime_node.errors import NodeError, first_node_error
 from prime_node.p2p.inbound_gate import InboundGate, KnownPeers, relax_dial_backoff
 from prime_node.p2p.interface import FramedStream, GossipHandler, GossipMessage, PeerAddresses, StreamHandler
+from prime_node.p2p.nat import DIALBACK_PROTOCOL, NatCounters, Reachability
+from prime_node.p2p.nat_dialback import DIAL_TIMEOUT as DIALBACK_DIAL_TIMEOUT
+from prime_node.p2p.nat_dialback import request_dialback, serve_dialback
+from prime_node.p2p.nat_relay import (
+    RelayParts,
+    build_relay_parts,
+    connection_kinds,
+    dial_relayed,
+    fresh_dial_check,
+    is_relayed,
+    relayed_addrs,
+    reserve,
+)
 from prime_node.p2p.provider_guard import ProviderGuard
+from prime_node.p2p.yamux_tuning import tune_yamux
 from protocol.connection_admission import ConnectionLimits
+from protocol.reachability import DialbackLimiter, verdict
 
 log = logging.getLogger(__name__)
 GOSSIPSUB_PROTOCOL = "/meshsub/1.1.0"
 DIAL_TIMEOUT = 10.0
+DIRECT_BEFORE_RELAY_TIMEOUT = 3.0
+"""How long a direct dial may take when the peer also has relayed addresses (a NAT'd peer's private
+addresses often fail only after retries; its relay then still answers within a caller's deadline)."""
 NEVER_TRIM = 10.0**9
 GOSSIP_PRUNE_BACKOFF = 10
 # A GRAFT this soon after a PRUNE is a flood. py-libp2p's default equals the backoff it announces in that
@@ -46,6 +67,8 @@ GOSSIP_PRUNE_BACKOFF = 10
 # honest peers were "flooding" each other: each GRAFT refused, penalised and answered with a PRUNE that
 # restarted the cycle (~2.5 GRAFT/PRUNE per second per node in an idle 16-node swarm).
 GOSSIP_GRAFT_FLOOD_THRESHOLD = GOSSIP_PRUNE_BACKOFF - 2.0
+GOSSIP_HEARTBEAT_SETTLED = 5.0
+"""Gossipsub heartbeat once every mesh is settled: its lazy IHAVE gossip, not publishing, waits on it."""
 PROVIDER_LOOKUP_COUNT = 40  # ask for twice a store's worth, so a crowd of one group does not fill the answer
 
 
@@ -93,6 +116,7 @@ class _Libp2pByteStream:
     def __init__(self, stream: Any) -> None:
         self._stream = stream
         self.remote_peer_id = str(stream.muxed_conn.peer_id)
+        self.relayed = _is_relayed(stream)
 
     async def read(self, max_bytes: int) -> bytes:
         try:
@@ -121,6 +145,17 @@ class _Libp2pByteStream:
             log.debug("resetting a stream failed", exc_info=True)
 
 
+def _is_relayed(stream: Any) -> bool:
+    """Whether a stream's connection goes through a circuit relay (py-libp2p marks the raw connection
+    ``ConnectionType.RELAYED``; yamux and Noise pass the question down to it)."""
+    try:
+        from libp2p.connection_types import ConnectionType
+
+        return bool(stream.muxed_conn.get_connection_type() == ConnectionType.RELAYED)
+    except Exception:
+        return False
+
+
 def _is_end_of_stream(exc: Exception) -> bool:
     return type(exc).__name__ in {
         "StreamEOF",
@@ -141,8 +176,13 @@ class Libp2pHost:
         self._known = parts.known
         self.inbound_gate = parts.gate
         self.provider_guard = parts.guard
+        self._relay: RelayParts = parts.relay
         self._nursery = nursery
         self._peer_id = str(parts.host.get_id())
+        self._dialback_limiter = DialbackLimiter()
+        from libp2p.custom_types import TProtocol
+
+        self._host.set_stream_handler(TProtocol(DIALBACK_PROTOCOL), self._on_dialback)
 
     @property
     def peer_id(self) -> str:
@@ -154,12 +194,19 @@ class Libp2pHost:
         for addr in self._host.get_addrs():
             text = str(addr)
             out.append(text if text.endswith(suffix) else text + suffix)
-        return sorted(set(out))
+        # Relayed addresses last (a peer that can dial us directly should), but within the first eight
+        # (what a peer record carries).
+        relayed = relayed_addrs(self._host, self._relay)
+        return sorted(set(out))[: 8 - len(relayed)] + relayed if relayed else sorted(set(out))
 
     async def connect(self, multiaddr: str) -> str:
         from libp2p.peer.peerinfo import info_from_p2p_addr
 
-        info = info_from_p2p_addr(parse_multiaddr(multiaddr, need_peer_id=True))
+        parsed = parse_multiaddr(multiaddr, need_peer_id=True)
+        if "/p2p-circuit" in multiaddr:
+            await self._dial_relayed(parsed)
+            return multiaddr.rsplit("/p2p/", 1)[1]
+        info = info_from_p2p_addr(parsed)
         await self._dial(info)
         # A peer we were given by address (a bootstrap peer) is known: it keeps its slots at our door.
         self._known.add(str(info.peer_id), _ips_of(info.addrs))
@@ -183,10 +230,36 @@ class Libp2pHost:
         from libp2p.peer.id import ID
         from libp2p.peer.peerinfo import PeerInfo
 
-        addrs = [parse_multiaddr(a, need_peer_id=False) for a in peer.multiaddrs]
-        await self._dial(PeerInfo(ID.from_base58(peer.peer_id), addrs))
+        direct = [parse_multiaddr(a, need_peer_id=False) for a in peer.multiaddrs if "/p2p-circuit" not in a]
+        relayed = [a for a in peer.multiaddrs if "/p2p-circuit" in a and a.endswith(f"/p2p/{peer.peer_id}")]
+        try:
+            if not direct:
+                raise NodeError(f"no direct address for {peer.peer_id}", reason="dial_failed")
+            timeout = DIRECT_BEFORE_RELAY_TIMEOUT if relayed else DIAL_TIMEOUT
+            await self._dial(PeerInfo(ID.from_base58(peer.peer_id), direct), timeout)
+        except NodeError:
+            # Behind a NAT: reach it through its relay (hole punching then upgrades the connection).
+            for text in relayed[:2]:
+                try:
+                    await self._dial_relayed(parse_multiaddr(text, need_peer_id=True))
+                    return
+                except NodeError as exc:
+                    log.debug("relayed dial to %s via %s failed: %s", peer.peer_id, text, exc)
+            raise
 
-    async def _dial(self, info: Any) -> None:
+    async def _dial_relayed(self, parsed: Any) -> None:
+        """Dial ``.../p2p/RELAY/p2p-circuit/p2p/PEER``; NodeError(dial_failed) if the relay or peer fails."""
+        if str(parsed).endswith(f"/p2p/{self._peer_id}"):
+            return
+        try:
+            with trio.fail_after(DIAL_TIMEOUT):
+                await dial_relayed(self._host, self._relay, parsed)
+        except trio.TooSlowError as exc:
+            raise NodeError(f"relayed dial {parsed} timed out", reason="dial_failed") from exc
+        except Exception as exc:
+            raise NodeError(f"relayed dial {parsed} failed: {_short(exc)}", reason="dial_failed") from exc
+
+    async def _dial(self, info: Any, timeout: float = DIAL_TIMEOUT) -> None:
         if str(info.peer_id) == self._peer_id:
             return
         self._host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
@@ -195,7 +268,7 @@ class Libp2pHost:
         network = self._host.get_network()
         network.unblock_peer(info.peer_id)
         try:
-            with trio.fail_after(DIAL_TIMEOUT):
+            with trio.fail_after(timeout):
                 await self._host.connect(info)
         except trio.TooSlowError as exc:
             raise NodeError(f"dialing {info.peer_id} timed out", reason="dial_failed") from exc
@@ -293,6 +366,107 @@ class Libp2pHost:
     def routing_table_size(self) -> int:
         return int(self._dht.get_routing_table_size())
 
+    # -- NAT: reachability, relays, hole punching (docs/nat.md) -----------------------------------------
+
+    def _listen_ports(self) -> list[int]:
+        ports = []
+        for addr in self._host.get_transport_addrs():
+            try:
+                ports.append(int(addr.value_for_protocol("tcp")))
+            except Exception:
+                continue
+        return sorted(set(ports))
+
+    def _observed_addrs(self) -> list[str]:
+        manager = getattr(self._host, "_observed_addr_manager", None)
+        if manager is None:
+            return []
+        try:
+            return sorted({str(a) for a in manager.addrs(min_observers=1) if "/p2p-circuit" not in str(a)})
+        except Exception:
+            return []
+
+    def _relay_address(self) -> str | None:
+        addrs = relayed_addrs(self._host, self._relay)
+        return addrs[0] if addrs else None
+
+    async def probe_reachability(self, peer_id: str, timeout: float) -> Reachability:
+        """Ask a connected peer to dial us back (``nat_dialback.py``); never raises for network trouble."""
+        relay = self._relay_address()
+        try:
+            stream = await self.open_stream(peer_id, DIALBACK_PROTOCOL)
+        except NodeError as exc:
+            return Reachability("unknown", tuple(self._observed_addrs()), relay, f"no dial-back: {exc}")
+        try:
+            answer = await request_dialback(stream, self._listen_ports(), timeout)
+        except NodeError as exc:
+            return Reachability("unknown", tuple(self._observed_addrs()), relay, f"dial-back failed: {exc}")
+        finally:
+            await stream.close()
+        observed = tuple(sorted({answer.observed, *self._observed_addrs()} - {""}))
+        status = verdict([ok for _, ok in answer.results])
+        if answer.refused:
+            detail = f"{peer_id} refused to dial back: {answer.refused}"
+        else:
+            tried = ", ".join(f"{port}: {'reached' if ok else 'unreachable'}" for port, ok in answer.results)
+            detail = f"{peer_id} dialled back our observed IP on port(s) {tried}"
+        return Reachability(status, observed, relay, detail)
+
+    async def _on_dialback(self, stream: Any) -> None:
+        framed = FramedStream(_Libp2pByteStream(stream))
+        try:
+            remote = stream.get_remote_address()
+            observed = (str(remote[0]), int(remote[1])) if remote else None
+        except Exception:
+            observed = None
+        relayed = any(is_relayed(c) for c in self._swarm_conns_of(stream.muxed_conn))
+        peer_id = framed.remote_peer_id
+
+        async def dial(ip: str, port: int) -> bool:
+            return await fresh_dial_check(self._host, peer_id, ip, port, DIALBACK_DIAL_TIMEOUT)
+
+        try:
+            await serve_dialback(
+                framed,
+                observed=observed,
+                relayed=relayed,
+                limiter=self._dialback_limiter,
+                now=trio.current_time(),
+                dial=dial,
+            )
+        except NodeError as exc:
+            log.info("dial-back request from %s ended: %s", peer_id, exc)
+        finally:
+            await framed.close()
+
+    def _swarm_conns_of(self, muxed_conn: Any) -> list[Any]:
+        conns = self._host.get_network().get_connections(muxed_conn.peer_id)
+        return [c for c in conns if getattr(c, "muxed_conn", None) is muxed_conn]
+
+    async def reserve_relay(self, relay_peer_id: str) -> str:
+        """Reserve a circuit-relay slot on a connected peer; our relayed multiaddr, or NodeError."""
+        try:
+            return await reserve(self._host, self._relay, relay_peer_id, self._nursery)
+        except trio.TooSlowError as exc:
+            raise NodeError(f"relay {relay_peer_id} did not answer", reason="relay_refused") from exc
+        except Exception as exc:
+            message = f"no relay slot on {relay_peer_id}: {_short(exc)}"
+            raise NodeError(message, reason="relay_refused") from exc
+
+    def nat_counters(self) -> NatCounters:
+        direct, relayed = connection_kinds(self._host)
+        stats = self._relay.stats
+        return NatCounters(
+            direct_connections=direct,
+            relayed_connections=relayed,
+            relay_reservations=tuple(sorted(self._relay.reservations)),
+            relayed_addrs=tuple(relayed_addrs(self._host, self._relay)),
+            hole_punches_ok=stats.ok,
+            hole_punches_failed=stats.failed,
+            last_time_to_direct_s=stats.last_time_to_direct_s,
+            relay_serving=self._relay.serving,
+        )
+
 
 def _ips_of(addrs: list[Any]) -> set[str]:
     ips = set()
@@ -311,15 +485,19 @@ def _short(exc: BaseException) -> str:
 
 
 def _gossipsub(heartbeat_interval: int) -> Any:
+    """The router: heartbeats every ``heartbeat_interval`` s while a mesh forms or is repaired, every
+    ``GOSSIP_HEARTBEAT_SETTLED`` s once settled (prime_node/p2p/gossip_router.py)."""
     from libp2p.custom_types import TProtocol
-    from libp2p.pubsub.gossipsub import GossipSub
 
-    router = GossipSub(
+    from prime_node.p2p.gossip_router import SettlingGossipSub
+
+    router = SettlingGossipSub(
+        fast=heartbeat_interval,
+        settled=max(GOSSIP_HEARTBEAT_SETTLED, heartbeat_interval),
         protocols=[TProtocol(GOSSIPSUB_PROTOCOL)],
         degree=6,
         degree_low=4,
         degree_high=12,
-        heartbeat_interval=heartbeat_interval,
         prune_back_off=GOSSIP_PRUNE_BACKOFF,
         max_messages_per_topic_per_second=1000.0,
         # Its "v2.0" extras measure IP diversity and adapt degrees; with peers that share an IP (one machine,
@@ -328,6 +506,13 @@ def _gossipsub(heartbeat_interval: int) -> Any:
         eclipse_protection_enabled=False,
     )
     router.graft_flood_threshold = GOSSIP_GRAFT_FLOOD_THRESHOLD
+    # Its peer scorer with default parameters scores every peer 0 and gates nothing (thresholds -inf,
+    # weights 0); what it does do is "opportunistic grafting" on every heartbeat: 2 more peers per topic
+    # whenever they score >= half the mesh median (0 >= 0), so meshes grow past degree_high each few
+    # seconds and are pruned back: endless GRAFT/PRUNE traffic in an idle swarm, over half of an idle
+    # node's CPU without heartbeats. Misbehaviour is scored by our own peer policy; with no scorer its
+    # mesh upkeep is the plain gossipsub one (graft below degree_low, prune above degree_high).
+    router.scorer = None
     return router
 
 
@@ -386,22 +571,32 @@ class _HostParts:
     known: KnownPeers
     gate: InboundGate
     guard: ProviderGuard
+    relay: RelayParts
 
 
 def _build_host(
-    key: WalletKey, listen_addr: Any, gossip_heartbeat_interval: int, limits: ConnectionLimits
+    key: WalletKey,
+    listen_addr: Any,
+    gossip_heartbeat_interval: int,
+    limits: ConnectionLimits,
+    *,
+    relay_service: bool = False,
+    hole_punching: bool = True,
 ) -> _HostParts:
     """The host (Noise only, yamux only, one connection per peer) behind our inbound gate, pubsub,
-    gossipsub and a server-mode DHT whose provider store is budgeted per IP group."""
+    gossipsub, a server-mode DHT whose provider store is budgeted per IP group, and circuit relay v2 (a
+    relay for others if ``relay_service``) with DCUtR hole punching if ``hole_punching``."""
     from libp2p import create_yamux_muxer_option, new_host
     from libp2p.crypto.secp256k1 import create_new_key_pair
     from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
     from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
     from libp2p.network.config import ConnectionConfig
-    from libp2p.pubsub.pubsub import Pubsub
     from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
     from libp2p.security.noise.transport import Transport as NoiseTransport
 
+    from prime_node.p2p.gossip_router import LeanPubsub
+
+    tune_yamux(os.environ)  # window updates per half window, not per read (prime_node/p2p/yamux_tuning.py)
     key_pair = create_new_key_pair(key.secret)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     host = new_host(
@@ -425,11 +620,23 @@ def _build_host(
     gate.install()
     relax_dial_backoff(swarm)
     gossipsub = _gossipsub(gossip_heartbeat_interval)
-    pubsub = Pubsub(host, gossipsub)
+    pubsub = LeanPubsub(host, gossipsub)
     dht = KadDHT(host, DHTMode.SERVER)
     guard = ProviderGuard(swarm, dht.provider_store, limits, known)
     guard.install()
-    return _HostParts(host, pubsub, gossipsub, dht, known, gate, guard)
+    relay = build_relay_parts(host, relay_service=relay_service, hole_punching=hole_punching)
+    return _HostParts(host, pubsub, gossipsub, dht, known, gate, guard, relay)
+
+
+@asynccontextmanager
+async def _maybe_service(service: Any | None) -> AsyncIterator[None]:
+    if service is None:
+        yield
+        return
+    from libp2p.tools.anyio_service import background_trio_service
+
+    async with background_trio_service(service):
+        yield
 
 
 @asynccontextmanager
@@ -439,9 +646,12 @@ async def open_libp2p_host(
     *,
     gossip_heartbeat_interval: int = 1,
     limits: ConnectionLimits | None = None,
+    relay_service: bool = False,
+    hole_punching: bool = True,
 ) -> AsyncIterator[Libp2pHost]:
     """Start a host with the wallet's identity listening on ``listen``; stop it on exit. ``limits``: the
-    inbound budgets per IP group (protocol/connection_admission.py); defaults suit a home node."""
+    inbound budgets per IP group (protocol/connection_admission.py); defaults suit a home node.
+    ``relay_service``: relay for NAT'd peers (bounded, control traffic only); ``hole_punching``: DCUtR."""
     quiet_libp2p_logs()
     listen_addr = parse_multiaddr(listen, need_peer_id=False)
     if "/tcp/" not in listen:
@@ -449,7 +659,14 @@ async def open_libp2p_host(
 
     from libp2p.tools.anyio_service import background_trio_service
 
-    parts = _build_host(key, listen_addr, gossip_heartbeat_interval, limits or ConnectionLimits())
+    parts = _build_host(
+        key,
+        listen_addr,
+        gossip_heartbeat_interval,
+        limits or ConnectionLimits(),
+        relay_service=relay_service,
+        hole_punching=hole_punching,
+    )
     host = parts.host
     started = False
     body_error: BaseException | None = None
@@ -467,6 +684,8 @@ async def open_libp2p_host(
                     background_trio_service(parts.pubsub),
                     background_trio_service(parts.gossipsub),
                     background_trio_service(parts.dht),
+                    background_trio_service(parts.relay.protocol),
+                    _maybe_service(parts.relay.dcutr),
                 ):
                     await parts.pubsub.wait_until_ready()
                     try:

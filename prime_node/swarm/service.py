@@ -182,6 +182,7 @@ class SwarmService:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                self.dataplane.attach(context.host)  # the libp2p fallback for peers TCP cannot reach
                 self._port = await nursery.start(self.dataplane.run, self.dataplane_host, self.dataplane_port)
                 # Before the node's first heartbeat, so peers learn the data-plane port at once.
                 context.add_record_source(self._record_part)
@@ -426,6 +427,8 @@ class SwarmService:
             "reconstructions": self.reconstructions,
             "delta_bytes_in": self.delta_bytes_in,
             "bad_deltas": self.bad_deltas,
+            "fallback_peers": sum(link.fallback for link in self.dataplane.links.values()),
+            **self.dataplane.stats.status(),
         }
 
     # --- versions -------------------------------------------------------------------------------------

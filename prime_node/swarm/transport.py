@@ -10,10 +10,15 @@ it is spent, the channel holding the most is closed, so N peers that never read 
 queues. A peer that stops reading is closed by the channel's frame deadlines as well.
 
 If two peers dial each other at once, both channels complete; both ends keep the one dialed by the
-smaller address and close the other, so exactly one survives without any negotiation.
+smaller address and close the other, so exactly one survives without any negotiation. A direct (TCP)
+channel always wins over a fallback one (below), whoever dialed it; both ends see the same route.
 
 Streams come from a ``StreamTransport`` (prime_node/dataplane/streams.py): TCP unless told otherwise;
 tests pass prime_node/testing/memory_streams.py's network and run whole swarms under ``autojump_clock``.
+Once ``attach`` gave it the node's libp2p host, a dial whose TCP port does not reach the peer falls back
+to a libp2p stream (prime_node/dataplane/dialer.py), and the plane serves that fallback protocol too:
+inbound fallback streams go through the same ``_accept`` as TCP connections (inbound limit, handshake,
+budget), and must prove the wallet address of the libp2p peer that opened them.
 """
 
 from __future__ import annotations
@@ -29,14 +34,17 @@ import trio
 from crypto.keys import Address, WalletKey
 from prime_node.dataplane.budget import MemoryBudget
 from prime_node.dataplane.channel import (
+    DEFAULT_CONTEXT,
     DEFAULT_DEADLINES,
     AuthenticatedChannel,
     ChannelError,
     accept_channel,
-    open_channel,
     open_listeners,
 )
+from prime_node.dataplane.dialer import ChannelDialer, DialTarget
+from prime_node.dataplane.libp2p_stream import FallbackServer, P2PStream, RouteStats, fallback_protocol
 from prime_node.dataplane.streams import TCP, StreamTransport
+from prime_node.p2p.interface import P2PHost
 from protocol.dataplane import FrameDeadlines
 
 log = logging.getLogger(__name__)
@@ -59,6 +67,8 @@ class Link:
     peer: Address
     channel: AuthenticatedChannel
     dialer: Address
+    fallback: bool = False
+    """The channel runs over a libp2p stream (the peer's TCP port did not reach it)."""
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     queue: deque[bytes] = field(default_factory=deque)
     queued_bytes: int = 0
@@ -69,7 +79,7 @@ class Link:
 class DataPlane:
     """Channels to neighbours (see the module doc). ``run`` listens; ``dial`` opens one more.
     ``budget`` bounds the memory of all its channels together; ``deadlines`` bound how long a frame may
-    stall in either direction."""
+    stall in either direction; ``relayed_fallback``: the fallback may use relayed libp2p connections."""
 
     def __init__(
         self,
@@ -82,6 +92,7 @@ class DataPlane:
         transport: StreamTransport = TCP,
         budget: MemoryBudget | None = None,
         deadlines: FrameDeadlines = DEFAULT_DEADLINES,
+        relayed_fallback: bool = False,
     ) -> None:
         self.key = key
         self.transport = transport
@@ -98,7 +109,27 @@ class DataPlane:
         self.refused = 0
         self.bytes_in = 0
         self.bytes_out = 0
+        self.stats = RouteStats()
+        self.dialer = ChannelDialer(
+            key,
+            transport=transport,
+            budget=self.budget,
+            deadlines=deadlines,
+            stats=self.stats,
+            relayed=relayed_fallback,
+        )
+        self._fallback = FallbackServer(
+            fallback_protocol(DEFAULT_CONTEXT), self._accept_fallback, self.stats, relayed=relayed_fallback
+        )
         self._nursery: trio.Nursery | None = None
+
+    def attach(self, host: P2PHost) -> None:
+        """Use ``host`` for the libp2p fallback, both ways (before ``run``: it serves the protocol)."""
+        self.dialer.p2p = host
+
+    @property
+    def p2p(self) -> P2PHost | None:
+        return self.dialer.p2p
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
@@ -106,16 +137,41 @@ class DataPlane:
         """Listen on ``host:port`` until cancelled; reports the bound port."""
         listeners, bound_port = await open_listeners(self.transport, host, port)
         async with trio.open_nursery() as nursery:
+            if self.p2p is not None:
+                await nursery.start(lambda task_status: self._fallback.run(self.p2p, task_status=task_status))
             self._nursery = nursery
             task_status.started(bound_port)
             await trio.serve_listeners(self._accept, listeners, handler_nursery=nursery)
 
-    def dial(self, peer: Address, host: str, port: int) -> None:
-        """Open a channel to ``peer`` in the background (no-op if one exists or is being opened)."""
+    def dial(self, peer: Address, host: str | None, port: int, *, peer_id: str | None = None) -> None:
+        """Open a channel to ``peer`` in the background (no-op if one exists or is being opened): at
+        ``host:port`` over TCP, else (``host`` None, or it does not answer) over a libp2p stream to
+        ``peer_id`` if one is given and a host is attached."""
         if self._nursery is None or peer in self.links or peer in self.dialing or peer in self.banned:
             return
+        target = DialTarget(peer, host, port, peer_id)
+        if not target.direct and not self.dialer.can_fall_back(target):
+            return
         self.dialing.add(peer)
-        self._nursery.start_soon(self._dial, peer, host, port)
+        self._nursery.start_soon(self._dial, target)
+
+    def upgrade(self, peer: Address, host: str | None, port: int) -> bool:
+        """If ``peer``'s link runs over the fallback and its TCP pause is over, try ``host:port`` again in
+        the background; a TCP channel that comes up replaces the fallback one (``_adopt``). True if tried."""
+        link = self.links.get(peer)
+        target = DialTarget(peer, host, port)
+        if (
+            self._nursery is None
+            or link is None
+            or not link.fallback
+            or not target.direct
+            or peer in self.dialing
+            or not self.dialer.memo.may_try(peer, trio.current_time())
+        ):
+            return False
+        self.dialing.add(peer)
+        self._nursery.start_soon(self._dial, target)
+        return True
 
     # --- sending --------------------------------------------------------------------------------------
 
@@ -147,26 +203,22 @@ class DataPlane:
 
     # --- internals ------------------------------------------------------------------------------------
 
-    async def _dial(self, peer: Address, host: str, port: int) -> None:
+    async def _dial(self, target: DialTarget) -> None:
         try:
-            channel = await open_channel(
-                host,
-                port,
-                self.key,
-                expected_peer=peer,
-                transport=self.transport,
-                deadlines=self.deadlines,
-                budget=self.budget,
-            )
+            channel = await self.dialer.open(target)
         except ChannelError as exc:
-            log.info("data plane: cannot open a channel to %s at %s:%d: %s", peer, host, port, exc)
+            log.info(
+                "data plane: cannot open a channel to %s at %s:%d: %s", target.address, target.host,
+                target.port, exc,
+            )  # fmt: skip
             return
         finally:
-            self.dialing.discard(peer)
+            self.dialing.discard(target.address)
         await self._serve(channel, dialer=self.key.address)
 
-    async def _accept(self, stream: trio.abc.Stream) -> None:
-        if self.inbound >= self.max_inbound:
+    async def _accept(self, stream: trio.abc.Stream, expected_peer: Address | None = None) -> None:
+        """One inbound connection (TCP, or a fallback stream whose libp2p peer is ``expected_peer``)."""
+        if self.inbound >= self.max_inbound or expected_peer in self.banned:
             self.refused += 1
             log.debug("data plane: refusing a connection (%d inbound already)", self.inbound)
             await stream.aclose()
@@ -174,12 +226,21 @@ class DataPlane:
         self.inbound += 1
         try:
             try:
-                channel = await accept_channel(stream, self.key, deadlines=self.deadlines, budget=self.budget)
+                channel = await accept_channel(
+                    stream,
+                    self.key,
+                    expected_peer=expected_peer,
+                    deadlines=self.deadlines,
+                    budget=self.budget,
+                )
             except ChannelError:
                 return
             await self._serve(channel, dialer=channel.remote)
         finally:
             self.inbound -= 1
+
+    async def _accept_fallback(self, stream: P2PStream, peer: Address) -> None:
+        await self._accept(stream, expected_peer=peer)
 
     async def _serve(self, channel: AuthenticatedChannel, *, dialer: Address) -> None:
         peer = channel.remote
@@ -209,12 +270,15 @@ class DataPlane:
         if peer in self.banned or peer == self.key.address:
             return None
         preferred = min(self.key.address.raw, peer.raw)
+        fallback = isinstance(channel.stream, P2PStream)
         existing = self.links.get(peer)
         if existing is not None:
-            if dialer.raw != preferred or existing.dialer.raw == preferred:
+            # Both ends rank the two channels alike: direct before fallback, then the preferred dialer's.
+            rank = (fallback, dialer.raw != preferred)
+            if rank >= (existing.fallback, existing.dialer.raw != preferred):
                 return None  # keep the channel we have
             self._drop(existing)
-        link = Link(peer, channel, dialer)
+        link = Link(peer, channel, dialer, fallback)
         channel.on_evict = lambda: self._drop(
             link
         )  # evicted by the budget (logged there): free the queue now

@@ -20,6 +20,7 @@ from crypto.identity import peer_id_from_public_key
 from crypto.keys import WalletKey
 from prime_node.errors import NodeError
 from prime_node.p2p.interface import FramedStream, GossipHandler, GossipMessage, PeerAddresses, StreamHandler
+from prime_node.p2p.nat import NatCounters, Reachability
 
 
 class _MemoryByteStream:
@@ -28,8 +29,11 @@ class _MemoryByteStream:
         remote_peer_id: str,
         send: trio.MemorySendChannel[bytes],
         receive: trio.MemoryReceiveChannel[bytes],
+        *,
+        relayed: bool = False,
     ) -> None:
         self.remote_peer_id = remote_peer_id
+        self.relayed = relayed
         self._send = send
         self._receive = receive
         self._pending = b""
@@ -67,6 +71,7 @@ class MemoryNetwork:
         self.hosts: dict[str, MemoryHost] = {}
         self.providers: dict[str, set[str]] = {}
         self.refuse: set[str] = set()  # peer IDs whose inbound dials fail, to test retry paths
+        self.relayed: set[frozenset[str]] = set()  # pairs of peer IDs whose streams count as relayed
         self.drop_gossip: GossipFilter | None = None  # (topic, origin, data, receiver) -> drop?
         self._message_ids = itertools.count()
 
@@ -159,9 +164,12 @@ class MemoryHost:
             raise NodeError(f"{peer_id} does not serve {protocol_id}", reason="stream_failed")
         to_remote_send, to_remote_receive = trio.open_memory_channel[bytes](math.inf)
         to_local_send, to_local_receive = trio.open_memory_channel[bytes](math.inf)
-        remote_end = FramedStream(_MemoryByteStream(self._peer_id, to_local_send, to_remote_receive))
+        relayed = frozenset((self._peer_id, peer_id)) in self.network.relayed
+        remote_end = FramedStream(
+            _MemoryByteStream(self._peer_id, to_local_send, to_remote_receive, relayed=relayed)
+        )
         other._nursery.start_soon(other._serve, handler, remote_end)
-        return FramedStream(_MemoryByteStream(peer_id, to_remote_send, to_local_receive))
+        return FramedStream(_MemoryByteStream(peer_id, to_remote_send, to_local_receive, relayed=relayed))
 
     async def _serve(self, handler: StreamHandler, stream: FramedStream) -> None:
         try:
@@ -210,3 +218,19 @@ class MemoryHost:
 
     def routing_table_size(self) -> int:
         return len(self.connections)
+
+    async def probe_reachability(self, peer_id: str, timeout: float) -> Reachability:
+        """In memory every host can reach every other: public once connected to the prober."""
+        await trio.lowlevel.checkpoint()
+        if peer_id not in self.connections:
+            return Reachability("unknown", (), None, f"not connected to {peer_id}")
+        return Reachability("public", tuple(self.listen_multiaddrs()), None, "in-memory network")
+
+    async def reserve_relay(self, relay_peer_id: str) -> str:
+        await trio.lowlevel.checkpoint()
+        if relay_peer_id not in self.connections:
+            raise NodeError(f"not connected to {relay_peer_id}", reason="relay_refused")
+        return f"/memory/{relay_peer_id}/p2p/{relay_peer_id}/p2p-circuit/p2p/{self._peer_id}"
+
+    def nat_counters(self) -> NatCounters:
+        return NatCounters(direct_connections=len(self.connections))

@@ -18,6 +18,11 @@ uses from opening each other's channels) and advertises that port inside every a
 
 Memory: the store's bound, plus at most ``max_fetches`` frames being received (each at most the run's
 size cap), plus the channels' shared ``MemoryBudget``.
+
+Reachability: given the node's libp2p host (``p2p``), a holder whose TCP port does not answer (behind
+NAT), or whose record names no direct host, is reached over a libp2p stream carrying the same channel
+(prime_node/dataplane/dialer.py), and this node serves that fallback protocol through the same accept
+path as its TCP listener (prime_node/dataplane/libp2p_stream.py).
 """
 
 from __future__ import annotations
@@ -33,8 +38,16 @@ import trio
 
 from crypto.keys import Address, WalletKey
 from prime_node.dataplane.budget import MemoryBudget
-from prime_node.dataplane.channel import AuthenticatedChannel, ChannelError, open_channel, serve_channels
+from prime_node.dataplane.channel import (
+    AuthenticatedChannel,
+    ChannelError,
+    handle_connection,
+    serve_channels,
+)
+from prime_node.dataplane.dialer import ChannelDialer, DialTarget
+from prime_node.dataplane.libp2p_stream import FallbackServer, P2PStream, fallback_protocol
 from prime_node.dataplane.streams import TCP, StreamTransport
+from prime_node.p2p.interface import P2PHost
 from prime_node.swarm.neighbours import dial_host
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError, RemoteProtocolError
@@ -84,6 +97,9 @@ class TransferSettings:
     """How long a fetch waits for a holder to appear once every known one failed."""
     request_timeout_s: float = 10.0
     """How long a served channel may take to send its request."""
+    relayed_fallback: bool = False
+    """Whether batches may move over a libp2p stream on a *relayed* connection (a relay's circuits are
+    capped in bytes and carry the peers' control traffic: prime_node/dataplane/libp2p_stream.py)."""
 
     def __post_init__(self) -> None:
         counts = (self.max_fetches, self.per_peer_fetches, self.max_uploads, self.per_peer_uploads)
@@ -133,6 +149,7 @@ class BatchTransfer:
             host=listen_host(context),
             on_bad_bytes=on_bad_bytes,
             settings=settings,
+            p2p=context.host,
         )
 
     def __init__(
@@ -146,6 +163,7 @@ class BatchTransfer:
         settings: TransferSettings | None = None,
         transport: StreamTransport = TCP,
         rng: random.Random | None = None,
+        p2p: P2PHost | None = None,
     ) -> None:
         self.key = key
         self.host_of = host_of
@@ -160,6 +178,20 @@ class BatchTransfer:
         self.held_bytes = 0
         self.counts: Counter[str] = Counter()
         self.budget = MemoryBudget()
+        relayed = self.settings.relayed_fallback
+        self.dialer = ChannelDialer(
+            key,
+            context=ROLLOUT_CONTEXT,
+            transport=transport,
+            budget=self.budget,
+            max_frame=MAX_CHANNEL_FRAME,
+            relayed=relayed,
+        )
+        self.dialer.p2p = p2p
+        self.stats = self.dialer.stats
+        self._fallback = FallbackServer(
+            fallback_protocol(ROLLOUT_CONTEXT), self._accept_fallback, self.stats, relayed=relayed
+        )
         self._fetch_slots = trio.CapacityLimiter(self.settings.max_fetches)
         self._per_peer: dict[Address, trio.CapacityLimiter] = {}
         self._fetching: dict[bytes, trio.Event] = {}
@@ -194,6 +226,9 @@ class BatchTransfer:
                     task_status=task_status,
                 )
             )
+            p2p = self.dialer.p2p
+            if p2p is not None:
+                await nursery.start(lambda task_status: self._fallback.run(p2p, task_status=task_status))
             task_status.started(self._port)
 
     def status(self) -> dict[str, Any]:
@@ -202,6 +237,7 @@ class BatchTransfer:
             "held_bytes": self.held_bytes,
             "fetching": len(self._fetching),
             **dict(self.counts),
+            **self.stats.status(),
         }
 
     # -- holding -----------------------------------------------------------------------------------------
@@ -276,24 +312,15 @@ class BatchTransfer:
                 return frame
 
     async def _attempt(self, holder: Holder, batch_id: bytes, size: int) -> bytes | None:
-        host = self.host_of(holder.address)
-        if host is None:
+        target = DialTarget(holder.address, self.host_of(holder.address), holder.port, holder.peer_id)
+        if not target.direct and not self.dialer.can_fall_back(target):
             self.counts["holder_unreachable"] += 1
             return None
         deadline = self.settings.attempt_grace_s + size / self.settings.min_rate
         channel: AuthenticatedChannel | None = None
         with trio.move_on_after(deadline) as scope:
             try:
-                channel = await open_channel(
-                    host,
-                    holder.port,
-                    self.key,
-                    expected_peer=holder.address,
-                    context=ROLLOUT_CONTEXT,
-                    max_frame=MAX_CHANNEL_FRAME,
-                    budget=self.budget,
-                    transport=self.transport,
-                )
+                channel = await self.dialer.open(target)
                 return await self._download(channel, holder, batch_id, size)
             except RemoteProtocolError as exc:
                 if exc.reason in BAD_BYTES:
@@ -336,6 +363,18 @@ class BatchTransfer:
             self.on_bad_bytes(holder, exc.reason)
 
     # -- serving -----------------------------------------------------------------------------------------
+
+    async def _accept_fallback(self, stream: P2PStream, peer: Address) -> None:
+        """A fallback stream: the same path as a connection to our TCP listener, from ``peer`` only."""
+        await handle_connection(
+            stream,
+            self.key,
+            self._serve,
+            expected_peer=peer,
+            context=ROLLOUT_CONTEXT,
+            max_frame=MAX_CHANNEL_FRAME,
+            budget=self.budget,
+        )
 
     async def _serve(self, channel: AuthenticatedChannel) -> None:
         peer = channel.remote

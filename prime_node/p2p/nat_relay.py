@@ -1,0 +1,217 @@
+"""Circuit relay v2 and hole punching (DCUtR) from py-libp2p 0.8.1, wired for our hosts.
+
+Used only by ``libp2p_host.py`` (it knows py-libp2p's internals; the rest of the node sees
+``nat.NatCounters``). What we take from py-libp2p and why:
+- ``CircuitV2Protocol``: every host accepts relayed connections (STOP); a host with the relay service on
+  also relays for others (HOP) within ``RELAY_LIMITS``: few reservations and circuits, each circuit
+  capped in bytes and time, so a relay carries control traffic, never pieces.
+- ``CircuitV2Transport``: dials ``/p2p/RELAY/p2p-circuit/p2p/PEER`` and makes reservations. Its CLIENT
+  role would reserve on every relayed dial, so it is off; we reserve explicitly.
+- ``DCUtRProtocol``: every 2 s it tries to turn relayed connections into direct ones (TCP simultaneous
+  open from our listen port to the peer's predicted address: its NAT's public IP and its listen port).
+  ``CountingDCUtR`` counts the outcomes and the time from relayed to direct.
+- The swarm never trims (libp2p_host's ``NEVER_TRIM``), so a direct connection lives beside the relayed
+  one, new streams prefer it, and DCUtR closes the relayed one after a grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+log = logging.getLogger(__name__)
+RESERVE_TIMEOUT = 10.0
+RELAY_CIRCUIT_BYTES = 4 << 20
+RELAY_CIRCUIT_SECONDS = 3600
+RELAY_MAX_CIRCUITS = 32
+RELAY_MAX_RESERVATIONS = 32
+UNILATERAL_DIAL_TIMEOUT = 2.0
+MAX_UNILATERAL_ADDRS = 8
+
+
+def relay_limits() -> Any:
+    from libp2p.relay.circuit_v2.resources import RelayLimits
+
+    return RelayLimits(
+        duration=RELAY_CIRCUIT_SECONDS,
+        data=RELAY_CIRCUIT_BYTES,
+        max_circuit_conns=RELAY_MAX_CIRCUITS,
+        max_reservations=RELAY_MAX_RESERVATIONS,
+    )
+
+
+@dataclass
+class HolePunchStats:
+    ok: int = 0
+    failed: int = 0
+    last_time_to_direct_s: float | None = None
+
+
+def _relayed_since(host: Any, peer_id: Any) -> float | None:
+    """When the oldest relayed connection to ``peer_id`` opened (py-libp2p's wall-clock stamp)."""
+    stamps = [
+        float(getattr(conn, "_created_at", 0.0))
+        for conn in host.get_network().get_connections(peer_id)
+        if is_relayed(conn)
+    ]
+    return min(stamps) if stamps else None
+
+
+def _counting_dcutr(host: Any, stats: HolePunchStats) -> Any:
+    from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+    class CountingDCUtR(DCUtRProtocol):
+        """DCUtR that records each hole punch's outcome (both the initiating and the answering side)."""
+
+        async def _try_unilateral_upgrade(self, peer_id: Any) -> bool:
+            """py-libp2p's step 0 (a plain dial to the peer's known addresses) with a short deadline: a
+            NAT'd peer's private addresses fail only after the 10 s dial timeout, which would delay the
+            hole punch that follows by as much."""
+            addrs = [a for a in self.host.get_peerstore().addrs(peer_id) if "/p2p-circuit" not in str(a)]
+            if not addrs:
+                return False
+            with trio.move_on_after(UNILATERAL_DIAL_TIMEOUT):
+                async with trio.open_nursery() as nursery:
+                    for addr in addrs[:MAX_UNILATERAL_ADDRS]:
+                        nursery.start_soon(self._dial_peer, peer_id, addr)
+            return bool(await self._verify_direct_connection(peer_id))
+
+        async def _perform_hole_punch(self, peer_id: Any, addrs: Any, as_responder: bool = False) -> bool:
+            since = _relayed_since(self.host, peer_id)
+            ok = bool(await super()._perform_hole_punch(peer_id, addrs, as_responder))
+            if ok:
+                stats.ok += 1
+                if since is not None:
+                    stats.last_time_to_direct_s = max(0.0, time.time() - since)
+            else:
+                stats.failed += 1
+            log.info("hole punch to %s %s", peer_id, "succeeded" if ok else "failed")
+            return ok
+
+    return CountingDCUtR(host)
+
+
+@dataclass
+class RelayParts:
+    """The relay protocol, transport and hole puncher of one host, and what they have done."""
+
+    protocol: Any
+    transport: Any
+    dcutr: Any | None
+    serving: bool
+    stats: HolePunchStats = field(default_factory=HolePunchStats)
+    reservations: dict[str, str] = field(default_factory=dict)
+    """relay peer ID -> our relayed multiaddr through it."""
+
+
+def build_relay_parts(host: Any, *, relay_service: bool, hole_punching: bool) -> RelayParts:
+    from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+    from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+
+    limits = relay_limits()
+    protocol = CircuitV2Protocol(host, limits=limits, allow_hop=relay_service)
+    roles = RelayRole.STOP | (RelayRole.HOP if relay_service else RelayRole(0))
+    transport = CircuitV2Transport(host, protocol, RelayConfig(roles=roles, limits=limits))
+    stats = HolePunchStats()
+    dcutr = _counting_dcutr(host, stats) if hole_punching else None
+    return RelayParts(protocol, transport, dcutr, relay_service, stats)
+
+
+def is_relayed(conn: Any) -> bool:
+    try:
+        addrs = conn.get_transport_addresses()
+    except Exception:
+        return False
+    return bool(addrs) and all("/p2p-circuit" in str(a) for a in addrs)
+
+
+def connection_kinds(host: Any) -> tuple[int, int]:
+    """(peers with a direct connection, peers reached only through a relay)."""
+    direct = relayed = 0
+    for found in list(host.get_network().connections.values()):
+        conns = found if isinstance(found, list) else [found]
+        if any(not is_relayed(c) for c in conns):
+            direct += 1
+        elif conns:
+            relayed += 1
+    return direct, relayed
+
+
+async def reserve(host: Any, parts: RelayParts, relay_peer_id: str, nursery: trio.Nursery) -> str:
+    """Reserve a slot on a connected relay; our relayed multiaddr, or ConnectionError why not."""
+    from libp2p.peer.id import ID
+    from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
+
+    relay = ID.from_base58(relay_peer_id)
+    with trio.fail_after(RESERVE_TIMEOUT):
+        stream = await host.new_stream(relay, [PROTOCOL_ID])
+        try:
+            ok = await parts.transport.reserve(stream, relay, nursery)
+        finally:
+            await stream.close()
+    if not ok:
+        raise ConnectionError(f"relay {relay_peer_id} refused the reservation")
+    address = f"/p2p/{relay_peer_id}/p2p-circuit/p2p/{host.get_id()}"
+    parts.reservations[relay_peer_id] = address
+    return address
+
+
+def relayed_addrs(host: Any, parts: RelayParts) -> list[str]:
+    """Our relayed multiaddrs with the relay's own transport address in front (dialable by anyone who
+    can reach the relay), for reservations whose relay is still connected."""
+    from libp2p.peer.id import ID
+
+    out: list[str] = []
+    for relay_peer_id, address in list(parts.reservations.items()):
+        relay = ID.from_base58(relay_peer_id)
+        conns = host.get_network().get_connections(relay)
+        if not conns:
+            parts.reservations.pop(relay_peer_id, None)
+            continue
+        known = {str(a).split("/p2p/")[0] for a in host.get_peerstore().addrs(relay)}
+        usable = {a for a in known if "/p2p-circuit" not in a and a and not a.startswith("/ip4/0.0.0.0/")}
+        routable = {a for a in usable if not a.startswith("/ip4/127.")} or usable
+        out.extend(f"{prefix}{address}" for prefix in sorted(routable)[:2])
+        if not routable:
+            out.append(address)
+    return out
+
+
+async def dial_relayed(host: Any, parts: RelayParts, multiaddr: Any) -> None:
+    """Connect through a relay (``.../p2p/RELAY/p2p-circuit/p2p/PEER``); the connection joins the swarm."""
+    await parts.transport.dial(multiaddr)
+
+
+async def fresh_dial_check(host: Any, peer_id: str, ip: str, port: int, timeout: float) -> bool:
+    """Whether a *new* TCP connection to ip:port reaches ``peer_id`` (Noise proves it); the connection is
+    closed at once and never joins the swarm."""
+    import multiaddr
+    from libp2p.peer.id import ID
+
+    family = "ip6" if ":" in ip else "ip4"
+    addr = multiaddr.Multiaddr(f"/{family}/{ip}/tcp/{port}")
+    swarm = host.get_network()
+    raw = None
+    with trio.move_on_after(timeout):
+        try:
+            transport = swarm.transport_manager.transport_for_dialing(addr)
+            raw = await transport.dial(addr)
+            secured = await swarm.upgrader.upgrade_security(raw, True, ID.from_base58(peer_id))
+            ok = str(secured.get_remote_peer()) == peer_id
+            await secured.close()
+            return ok
+        except Exception as exc:
+            log.debug("dial-back to %s:%d failed: %s", ip, port, exc)
+        finally:
+            if raw is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    try:
+                        await raw.close()
+                    except Exception:
+                        log.debug("closing a dial-back connection failed", exc_info=True)
+    return False

@@ -1,0 +1,112 @@
+"""Rules for NAT reachability: who may ask us for a dial-back, what the answers mean, which relay to try.
+
+A dial-back server dials a TCP connection to whoever asks, so it could be turned into a reflector that
+knocks on third parties. Three rules keep it harmless: it only ever dials the *requester's own observed
+IP* (the caller enforces that), at most ``MAX_DIALBACK_PORTS`` ports per request, and requests are
+rate-limited per peer and in total (``DialbackLimiter``). Relays are tried in the order given
+(bootstrap peers first), and one that refused us waits ``RELAY_RETRY_AFTER`` before it is tried again.
+
+Pure: callers pass ``now`` (seconds from any monotonic clock) and act on the answers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Status = Literal["public", "private", "unknown"]
+
+MAX_DIALBACK_PORTS = 4
+PER_PEER_INTERVAL = 20.0  # one dial-back per peer per this many seconds
+GLOBAL_BURST = 8  # dial-backs in any GLOBAL_WINDOW, all peers together
+GLOBAL_WINDOW = 60.0
+TRACKED_PEERS = 1024  # the per-peer table forgets the oldest beyond this
+RELAY_RETRY_AFTER = 60.0
+
+
+@dataclass
+class DialbackLimiter:
+    """Admission of dial-back requests: one per peer per ``per_peer_interval`` and ``global_burst`` per
+    ``global_window`` in all. Memory is bounded by ``tracked_peers``."""
+
+    per_peer_interval: float = PER_PEER_INTERVAL
+    global_burst: int = GLOBAL_BURST
+    global_window: float = GLOBAL_WINDOW
+    tracked_peers: int = TRACKED_PEERS
+    _last: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    _recent: list[float] = field(default_factory=list)
+
+    def allow(self, peer_id: str, now: float) -> bool:
+        """Whether to serve ``peer_id`` now; an allowed request is counted."""
+        last = self._last.get(peer_id)
+        if last is not None and now - last < self.per_peer_interval:
+            return False
+        self._recent = [t for t in self._recent if now - t < self.global_window]
+        if len(self._recent) >= self.global_burst:
+            return False
+        self._recent.append(now)
+        self._last[peer_id] = now
+        self._last.move_to_end(peer_id)
+        while len(self._last) > self.tracked_peers:
+            self._last.popitem(last=False)
+        return True
+
+
+def dialback_ports(ports: Iterable[int]) -> list[int]:
+    """The ports a request may name: valid TCP ports, deduplicated, at most ``MAX_DIALBACK_PORTS``."""
+    out: list[int] = []
+    for port in ports:
+        if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 and port not in out:
+            out.append(port)
+        if len(out) == MAX_DIALBACK_PORTS:
+            break
+    return out
+
+
+def verdict(dial_results: Sequence[bool]) -> Status:
+    """A server's answer as a status: reachable if any dial-back reached us, private if it tried and
+    none did, unknown if it tried nothing (it refused or we named no port)."""
+    if any(dial_results):
+        return "public"
+    return "private" if dial_results else "unknown"
+
+
+def combine(verdicts: Iterable[Status]) -> Status:
+    """Several servers' verdicts: one success is proof of reachability (a dial-back came in); private
+    needs at least one server that tried and failed and none that succeeded."""
+    seen = set(verdicts)
+    if "public" in seen:
+        return "public"
+    return "private" if "private" in seen else "unknown"
+
+
+def should_reserve(status: Status, reserved: bool, enabled: bool) -> bool:
+    """A node reserves a relay slot only when it knows it is unreachable (unknown: ask again first)."""
+    return enabled and status == "private" and not reserved
+
+
+@dataclass
+class RelayPicker:
+    """Which relay to try next: candidates in the caller's order, skipping ones that refused us within
+    ``retry_after`` seconds. Memory is bounded by the candidates the caller keeps passing."""
+
+    retry_after: float = RELAY_RETRY_AFTER
+    _failed_at: dict[str, float] = field(default_factory=dict)
+
+    def pick(self, candidates: Sequence[str], now: float) -> str | None:
+        for peer_id in candidates:
+            failed = self._failed_at.get(peer_id)
+            if failed is None or now - failed >= self.retry_after:
+                return peer_id
+        return None
+
+    def failed(self, peer_id: str, now: float) -> None:
+        self._failed_at[peer_id] = now
+        if len(self._failed_at) > TRACKED_PEERS:
+            oldest = min(self._failed_at, key=self._failed_at.__getitem__)
+            del self._failed_at[oldest]
+
+    def succeeded(self, peer_id: str) -> None:
+        self._failed_at.pop(peer_id, None)

@@ -1,0 +1,57 @@
+"""The pure NAT rules: dial-back admission, verdicts, when to reserve, which relay to try."""
+
+from __future__ import annotations
+
+from protocol.reachability import (
+    MAX_DIALBACK_PORTS,
+    DialbackLimiter,
+    RelayPicker,
+    combine,
+    dialback_ports,
+    should_reserve,
+    verdict,
+)
+
+
+def test_limiter_allows_one_probe_per_peer_per_interval_and_a_bounded_burst_in_all() -> None:
+    limiter = DialbackLimiter(per_peer_interval=20, global_burst=3, global_window=60, tracked_peers=2)
+    assert limiter.allow("a", 0.0)
+    assert not limiter.allow("a", 10.0)
+    assert limiter.allow("b", 10.0)
+    assert limiter.allow("c", 11.0)
+    assert not limiter.allow("d", 12.0)  # three in the window already
+    assert limiter.allow("a", 61.0)  # the window moved on and a's interval passed
+    assert len(limiter._last) == 2  # bounded memory
+
+
+def test_ports_are_valid_deduplicated_and_capped() -> None:
+    assert dialback_ports([0, 4001, 4001, 70000, True, 5, 6, 7, 8, 9]) == [4001, 5, 6, 7][:MAX_DIALBACK_PORTS]
+
+
+def test_verdicts_and_their_combination() -> None:
+    assert verdict([]) == "unknown"
+    assert verdict([False, False]) == "private"
+    assert verdict([False, True]) == "public"
+    assert combine(["unknown", "private"]) == "private"
+    assert combine(["private", "public"]) == "public"
+    assert combine([]) == "unknown"
+
+
+def test_reserve_only_when_known_private_enabled_and_not_yet_held() -> None:
+    assert should_reserve("private", reserved=False, enabled=True)
+    assert not should_reserve("unknown", reserved=False, enabled=True)
+    assert not should_reserve("public", reserved=False, enabled=True)
+    assert not should_reserve("private", reserved=True, enabled=True)
+    assert not should_reserve("private", reserved=False, enabled=False)
+
+
+def test_relay_picker_rests_a_refusing_relay() -> None:
+    picker = RelayPicker(retry_after=60)
+    assert picker.pick(["r1", "r2"], 0.0) == "r1"
+    picker.failed("r1", 0.0)
+    assert picker.pick(["r1", "r2"], 1.0) == "r2"
+    picker.failed("r2", 1.0)
+    assert picker.pick(["r1", "r2"], 2.0) is None
+    assert picker.pick(["r1", "r2"], 61.0) == "r1"
+    picker.succeeded("r2")
+    assert picker.pick(["r2"], 2.0) == "r2"
