@@ -1,18 +1,22 @@
 """Discovery time and heartbeat traffic of real `prime-node join` processes on loopback.
 
-For each swarm size N (default 8, 16, 32): start one bootstrap node, then N-1 nodes that know only its
-address, all as separate processes; measure the time from launching the N-1 joiners until every node's
-status API lists every other node as healthy. Then, with the swarm formed, measure over a quiet window:
-- heartbeat bytes per node per second (signed records sent + received on the direct heartbeat streams,
-  from each node's own counters), gossip bytes (the lower-rate gossiped records, and anything else on
-  gossip), and
+For each swarm size N (default 8, 16, 32, 64): start one bootstrap node, then N-1 nodes that know only
+its address, all as separate processes; measure the time until every node's status API lists every other
+node as healthy, from launching the N-1 joiners (``all_see_all_s``) and from the moment the last of them
+listens (``after_last_join_s``: what ``formation_vs_heartbeat`` divides by the interval; on one machine
+start-up of N Python processes is most of the first figure). Then, with the swarm formed, measure over a
+quiet window:
+- heartbeat bytes per node per second (frames sent + received on the neighbour links, with the signed
+  peer records they carry; from each node's own counters), gossip bytes, records received per second,
+  and
 - wire bytes per node per second (sent + received on the node processes' established TCP sockets,
   from ``ss -tinp``: includes libp2p's gossipsub forwarding and control traffic, Noise, yamux, DHT; the
   status API polls happen outside the window).
 
 Prints one JSON line per N. The baseline in the same run is the heartbeat interval: ``formation_vs_heartbeat``
-is the discovery time in heartbeat intervals (1 would be a node seen at its very first beat). On a
-2-core machine N processes share the cores, so start-up (≈1.5 s of imports each) weighs on large N.
+is the formation time after the last join in heartbeat intervals (goal ≤ 3). Each node beats only to its
+neighbours (8 by default), so heartbeat traffic per node should not grow with N; ``neighbours_mean`` and
+``neighbours_max`` show the overlay's degree. On a 2-core machine N processes share the cores.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 DEFAULT_HEARTBEAT_INTERVAL = 2.0
 WINDOW = 10.0
+MAX_NODES = 256
 
 
 def _join(data_dir: Path, bootstrap: str | None, interval: float) -> subprocess.Popen[bytes]:
@@ -44,6 +50,10 @@ def _join(data_dir: Path, bootstrap: str | None, interval: float) -> subprocess.
         str(data_dir),
         "--listen",
         "/ip4/127.0.0.1/tcp/0",
+        # Every node dials from 127.0.0.1, so the others would count all of them as one host and admit
+        # 16 (the Sybil bound per IP); on the internet each node has its own address.
+        "--max-inbound-per-ip",
+        str(MAX_NODES),
         "--run",
         "bench",
         "--heartbeat-interval",
@@ -56,7 +66,9 @@ def _join(data_dir: Path, bootstrap: str | None, interval: float) -> subprocess.
     ]
     if bootstrap:
         args += ["--bootstrap", bootstrap]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / "stderr.log", "wb") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log)
 
 
 def _node_file(data_dir: Path, deadline: float) -> dict[str, Any]:
@@ -72,10 +84,21 @@ def _node_file(data_dir: Path, deadline: float) -> dict[str, Any]:
     raise TimeoutError(f"{path} never showed a running node")
 
 
-def _snapshot(api: str) -> dict[str, Any]:
-    with urllib.request.urlopen(api + "/status", timeout=10) as response:
-        data: dict[str, Any] = json.loads(response.read())
-        return data
+def _snapshot(data_dir: Path) -> dict[str, Any]:
+    """The node's status, from the API its node.json names now (reading it each time: a node that
+    restarts its host, as a role switch does, writes a new one)."""
+    for attempt in range(20):
+        try:
+            api = json.loads((data_dir / "node.json").read_text())["api"]
+            with urllib.request.urlopen(api + "/status", timeout=10) as response:
+                data: dict[str, Any] = json.loads(response.read())
+                return data
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if attempt == 19:
+                tail = (data_dir / "stderr.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{data_dir.name} has no status API ({exc}):\n{tail}") from exc
+            time.sleep(0.25)
+    raise AssertionError("unreachable")
 
 
 def _socket_bytes(pids: list[int]) -> int:
@@ -104,15 +127,30 @@ def measure(n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL
             boot = _node_file(dirs[0], time.monotonic() + 60)
             started = time.monotonic()
             processes += [_join(d, boot["multiaddrs"][0], interval) for d in dirs[1:]]
-            apis = [boot["api"]] + [_node_file(d, started + timeout)["api"] for d in dirs[1:]]
+            for d in dirs[1:]:
+                _node_file(d, started + timeout)
             all_up = time.monotonic() - started
+            healthy: list[int] = []
             formed_at = None
-            while time.monotonic() - started < timeout:
-                healthy = [sum(p["state"] == "healthy" for p in _snapshot(api)["peers"]) for api in apis]
-                if all(h == n - 1 for h in healthy):
-                    formed_at = time.monotonic() - started
-                    break
-                time.sleep(0.5)
+            progress: list[tuple[float, int]] = []  # (seconds after the last join, nodes that see all)
+            with ThreadPoolExecutor(max_workers=16) as pool:  # one sweep must not take longer than a beat
+                while time.monotonic() - started < timeout:
+                    dead = [i for i, p in enumerate(processes) if p.poll() is not None]
+                    if dead:
+                        tail = (dirs[dead[0]] / "stderr.log").read_text(errors="replace")[-2000:]
+                        raise RuntimeError(
+                            f"node {dead[0]} exited ({processes[dead[0]].returncode}):\n{tail}"
+                        )
+                    swept_at = time.monotonic() - started
+                    snapshots = list(pool.map(_snapshot, dirs))
+                    healthy = [sum(p["state"] == "healthy" for p in snap["peers"]) for snap in snapshots]
+                    complete = sum(h == n - 1 for h in healthy)
+                    if not progress or progress[-1][1] != complete:
+                        progress.append((round(swept_at - all_up, 1), complete))
+                    if complete == n:
+                        formed_at = swept_at
+                        break
+                    time.sleep(0.25)
             result: dict[str, Any] = {
                 "benchmark": "discovery",
                 "mode": "processes",
@@ -120,15 +158,22 @@ def measure(n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL
                 "heartbeat_interval_s": interval,
                 "all_processes_listening_s": round(all_up, 2),
                 "all_see_all_s": None if formed_at is None else round(formed_at, 2),
-                "formation_vs_heartbeat": None if formed_at is None else round(formed_at / interval, 2),
+                "nodes_seeing_all_after_last_join": progress[-12:],
+                "after_last_join_s": None if formed_at is None else round(formed_at - all_up, 2),
+                "formation_vs_heartbeat": (
+                    None if formed_at is None else round((formed_at - all_up) / interval, 2)
+                ),
             }
             if formed_at is None:
                 result["healthy_peers_seen"] = healthy
+                worst = min(range(n), key=healthy.__getitem__)
+                log_tail = (dirs[worst] / "stderr.log").read_text(errors="replace")[-1500:]
+                result["worst_node_log_tail"] = log_tail
                 return result
-            before = [_snapshot(api)["counters"] for api in apis]
+            before = [_snapshot(d)["counters"] for d in dirs]
             io_before = _socket_bytes([p.pid for p in processes])
             time.sleep(WINDOW)
-            after = [_snapshot(api)["counters"] for api in apis]
+            after = [_snapshot(d)["counters"] for d in dirs]
             io_after = _socket_bytes([p.pid for p in processes])
 
             def rate(name: str) -> float:
@@ -143,6 +188,10 @@ def measure(n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL
             )
             result["heartbeats_received_per_s_per_node"] = round(rate("heartbeats_received"), 2)
             result["wire_bytes_per_s_per_node"] = round((io_after - io_before) / n / WINDOW, 1)
+            result["records_received_per_s_per_node"] = round(rate("records_in"), 2)
+            degrees = [len(_snapshot(d).get("neighbours", [])) for d in dirs]
+            result["neighbours_mean"] = round(sum(degrees) / n, 1)
+            result["neighbours_max"] = max(degrees)
             return result
         finally:
             for process in processes:
@@ -157,7 +206,7 @@ def measure(n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL)
     args = parser.parse_args()

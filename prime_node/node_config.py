@@ -59,6 +59,34 @@ class NodeConfig(BaseModel):
     discovery_interval: float = Field(
         default=5.0, gt=0, description="Longest pause between DHT provider lookups."
     )
+    neighbours: int = Field(
+        default=8,
+        ge=1,
+        le=64,
+        description="Direct links (heartbeats, peer records) a node opens; everyone else is known from "
+        "the signed records its neighbours pass on (DESIGN §4).",
+    )
+    max_neighbours: int = Field(
+        default=16, ge=1, le=128, description="Links a node accepts at most; it refuses more."
+    )
+    max_inbound_per_ip: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="Inbound peers admitted from one IP group (a /24, or one address on loopback and "
+        "private networks): the Sybil bound. Raise it only for many nodes behind one address (a local "
+        "testnet, a lab behind one NAT).",
+    )
+    relay_service: bool = Field(
+        default=True,
+        description="Relay for peers behind NAT (circuit relay v2): a few reservations and circuits, each "
+        "capped in bytes and time, so only control traffic; worth it on a publicly reachable node.",
+    )
+    hole_punching: bool = Field(
+        default=True,
+        description="Upgrade relayed connections to direct ones by hole punching (DCUtR), and reserve a "
+        "relay slot when this node finds it is not reachable.",
+    )
 
     @field_validator("role")
     @classmethod
@@ -75,6 +103,8 @@ class NodeConfig(BaseModel):
     def _check(self) -> NodeConfig:
         if not is_valid_name(self.run_id):
             raise ValueError(f"run id {NAME_RULE}")
+        if self.max_neighbours < self.neighbours:
+            raise ValueError("max_neighbours must be at least neighbours")
         if self.dead_window <= self.unhealthy_window:
             raise ValueError("dead_after must be longer than unhealthy_after")
         return self

@@ -1,10 +1,20 @@
-"""Who is alive: healthy → unhealthy → dead on missed heartbeats.
+"""Who is alive: healthy → unhealthy → dead, from two kinds of evidence.
 
-A pure state machine keyed by peer ID. The node calls ``heard`` for every verified heartbeat and
-``tick`` on a timer, always passing ``now`` (seconds, any monotonic origin). A peer is *healthy* while
-its last heartbeat is younger than ``unhealthy_after``, *unhealthy* until ``dead_after``, then *dead*;
-dead peers are forgotten after ``forget_after`` so memory stays bounded by the live swarm. A heartbeat
-from an unhealthy or dead peer makes it healthy again.
+A pure state machine keyed by peer ID; every call passes ``now`` (seconds, any monotonic origin).
+
+- **Beats** (``heard``): a frame from a *neighbour* on its direct link (DESIGN §4: a node exchanges
+  heartbeats with a bounded set of D neighbours). A neighbour is healthy while its last beat is younger
+  than ``unhealthy_after``, unhealthy until ``dead_after``, then dead.
+- **Records** (``heard_record``): the peer's own signed record, issued at ``issued_at`` (on our clock)
+  and relayed to us by anyone. Everyone who is not our neighbour is known this way. The record says how
+  often its owner re-issues it (``refresh``); it stays healthy for ``RECORD_UNHEALTHY`` refreshes and dies
+  after ``RECORD_DEAD`` of them, so membership of non-neighbours ages out with the records.
+
+A record counts for liveness only when it was issued after the peer's last beat: a neighbour that is
+killed mid-link goes unhealthy within ``unhealthy_after`` although its last record may be minutes younger
+than that window; a neighbour that only dropped the link (``unlinked``) is judged by its records again.
+A peer is forgotten once every kind of evidence is older than its forget window, so memory stays
+bounded by the live swarm (and by ``max_members``).
 """
 
 from __future__ import annotations
@@ -16,6 +26,10 @@ from typing import Generic, TypeVar
 from protocol.errors import LocalProtocolError
 
 R = TypeVar("R")
+RECORD_UNHEALTHY = 2.5
+"""Refresh periods without a fresh record before a non-neighbour is unhealthy (one lost refresh is normal)."""
+RECORD_DEAD = 5.0
+RECORD_FORGET = 10.0
 
 
 class PeerState(StrEnum):
@@ -51,9 +65,18 @@ class Member(Generic[R]):
     peer_id: str
     state: PeerState
     last_heard: float
+    """The newest evidence that counts (a beat, or a record issued after the last beat)."""
     first_heard: float
     record: R
     heartbeats: int = 1
+    last_beat: float | None = None
+    last_record: float | None = None
+    refresh: float = 0.0
+
+    @property
+    def is_neighbour_evidence(self) -> bool:
+        """True while the peer is judged by its beats (it is, or just was, our neighbour)."""
+        return self.last_beat is not None and (self.last_record is None or self.last_record <= self.last_beat)
 
 
 class Membership(Generic[R]):
@@ -77,32 +100,56 @@ class Membership(Generic[R]):
         return sorted(m.peer_id for m in self._members.values() if m.state is state)
 
     def heard(self, peer_id: str, record: R, now: float) -> list[StateChanged]:
+        """A beat from neighbour ``peer_id`` (``record``: its newest record we hold)."""
         member = self._members.get(peer_id)
         if member is None:
-            if len(self._members) >= self.max_members and not self._evict_one():
-                return []  # full of live peers: a newcomer waits until someone dies
-            self._members[peer_id] = Member(peer_id, PeerState.HEALTHY, now, now, record)
-            return [StateChanged(peer_id, None, PeerState.HEALTHY)]
-        member.last_heard = max(member.last_heard, now)
+            return self._add(Member(peer_id, PeerState.HEALTHY, now, now, record, last_beat=now))
+        member.last_beat = max(member.last_beat or now, now)
         member.record = record
         member.heartbeats += 1
-        if member.state is PeerState.HEALTHY:
+        return self._settle(member, now)
+
+    def heard_record(
+        self, peer_id: str, record: R, *, issued_at: float, refresh: float, now: float
+    ) -> list[StateChanged]:
+        """``peer_id``'s own record, issued at ``issued_at`` (our clock), re-issued every ``refresh`` s.
+
+        The caller passes only records newer than the one it holds; one issued in the future counts as
+        issued now."""
+        if refresh <= 0:
+            raise LocalProtocolError("a record's refresh period must be positive", reason="bad_refresh")
+        issued_at = min(issued_at, now)
+        member = self._members.get(peer_id)
+        if member is None:
+            fresh = Member(peer_id, PeerState.HEALTHY, issued_at, now, record, 0, None, issued_at, refresh)
+            fresh.state = self._state_of(fresh, now)
+            if fresh.state is PeerState.DEAD:
+                return []  # nothing to learn from a record that is already dead
+            return self._add(fresh)
+        member.record = record
+        member.refresh = refresh
+        member.last_record = max(member.last_record or issued_at, issued_at)
+        return self._settle(member, now)
+
+    def unlinked(self, peer_id: str, now: float) -> list[StateChanged]:
+        """The peer closed our direct link on purpose (it trimmed its neighbours): judge it by records."""
+        member = self._members.get(peer_id)
+        if member is None or member.last_beat is None:
             return []
-        before, member.state = member.state, PeerState.HEALTHY
-        return [StateChanged(peer_id, before, PeerState.HEALTHY)]
+        member.last_beat = None
+        if member.last_record is None:
+            # No record to judge by: remember the last beat as a record that must be refreshed soon.
+            member.last_record, member.refresh = member.last_heard, member.refresh or self.config.dead_after
+        return self._settle(member, now)
 
     def tick(self, now: float) -> list[StateChanged]:
         changes: list[StateChanged] = []
         for member in list(self._members.values()):
-            silent_for = now - member.last_heard
-            if silent_for >= self.config.forget_after:
+            if self._forgettable(member, now):
                 del self._members[member.peer_id]
                 changes.append(StateChanged(member.peer_id, member.state, None))
                 continue
-            target = self._state_for(silent_for)
-            if target is not member.state and _rank(target) > _rank(member.state):
-                changes.append(StateChanged(member.peer_id, member.state, target))
-                member.state = target
+            changes += self._settle(member, now, may_improve=False)
         return changes
 
     def remove(self, peer_id: str) -> list[StateChanged]:
@@ -110,12 +157,49 @@ class Membership(Generic[R]):
         member = self._members.pop(peer_id, None)
         return [] if member is None else [StateChanged(peer_id, member.state, None)]
 
-    def _state_for(self, silent_for: float) -> PeerState:
-        if silent_for >= self.config.dead_after:
+    # -- rules -------------------------------------------------------------------------------------------
+
+    def _add(self, member: Member[R]) -> list[StateChanged]:
+        if len(self._members) >= self.max_members and not self._evict_one():
+            return []  # full of live peers: a newcomer waits until someone dies
+        self._members[member.peer_id] = member
+        return [StateChanged(member.peer_id, None, member.state)]
+
+    def _settle(self, member: Member[R], now: float, *, may_improve: bool = True) -> list[StateChanged]:
+        """Move ``member`` to the state its evidence gives; ``tick`` only ever worsens a state (a state
+        improves only on new evidence)."""
+        member.last_heard = self._evidence(member)
+        target = self._state_of(member, now)
+        if target is member.state or (not may_improve and _rank(target) < _rank(member.state)):
+            return []
+        before, member.state = member.state, target
+        return [StateChanged(member.peer_id, before, target)]
+
+    def _evidence(self, member: Member[R]) -> float:
+        if member.is_neighbour_evidence:
+            assert member.last_beat is not None
+            return member.last_beat
+        assert member.last_record is not None
+        return member.last_record
+
+    def _windows(self, member: Member[R]) -> tuple[float, float, float]:
+        if member.is_neighbour_evidence:
+            return self.config.unhealthy_after, self.config.dead_after, self.config.forget_after
+        refresh = member.refresh
+        forget = max(self.config.forget_after, RECORD_FORGET * refresh)
+        return RECORD_UNHEALTHY * refresh, RECORD_DEAD * refresh, forget
+
+    def _state_of(self, member: Member[R], now: float) -> PeerState:
+        unhealthy_after, dead_after, _ = self._windows(member)
+        silent_for = now - self._evidence(member)
+        if silent_for >= dead_after:
             return PeerState.DEAD
-        if silent_for >= self.config.unhealthy_after:
+        if silent_for >= unhealthy_after:
             return PeerState.UNHEALTHY
         return PeerState.HEALTHY
+
+    def _forgettable(self, member: Member[R], now: float) -> bool:
+        return now - self._evidence(member) >= self._windows(member)[2]
 
     def _evict_one(self) -> bool:
         dead = [m for m in self._members.values() if m.state is PeerState.DEAD]

@@ -58,6 +58,8 @@ class PeerRecord(Message):
     software_version: Annotated[str, MaxLen(32)]
     dataplane_port: Annotated[int, IntRange(0, 65535)] = 0
     """TCP port of the node's data plane (weight-swarm pieces) on its multiaddrs' host; 0: none."""
+    refresh_s: Annotated[int, IntRange(0, 86_400)] = 0
+    """How often the owner re-issues this record (protocol/record_book.py); receivers clamp it."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

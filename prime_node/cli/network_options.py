@@ -72,6 +72,36 @@ BootstrapTimeoutOption = Annotated[
 DataplanePortOption = Annotated[
     int, typer.Option("--dataplane-port", help="TCP port of the weight-swarm data plane (0 = any free port).")
 ]
+RelayServiceOption = Annotated[
+    bool,
+    typer.Option(
+        "--relay-service/--no-relay-service",
+        help="Relay control traffic for peers behind NAT (bounded; circuit relay v2).",
+    ),
+]
+HolePunchingOption = Annotated[
+    bool,
+    typer.Option(
+        "--hole-punching/--no-hole-punching",
+        help="Behind NAT: reserve a relay slot and upgrade relayed connections by hole punching (DCUtR).",
+    ),
+]
+NeighboursOption = Annotated[
+    int,
+    typer.Option(
+        "--neighbours",
+        help="Peers this node exchanges heartbeats with directly (it accepts up to twice as many); "
+        "everyone else is known from the signed records they pass on.",
+    ),
+]
+MaxInboundPerIpOption = Annotated[
+    int,
+    typer.Option(
+        "--max-inbound-per-ip",
+        help="Inbound peers admitted from one IP (or /24): raise it only for many nodes behind one "
+        "address, e.g. a local testnet.",
+    ),
+]
 NewWalletOption = Annotated[
     bool, typer.Option("--new-wallet", help="Create the keystore first if it does not exist yet.")
 ]
@@ -103,6 +133,10 @@ class NodeFlags:
     no_password: NoPasswordOption = False
     new_wallet: NewWalletOption = False
     light_kdf: LightKdfOption = False
+    relay_service: RelayServiceOption = True
+    hole_punching: HolePunchingOption = True
+    neighbours: NeighboursOption = 8
+    max_inbound_per_ip: MaxInboundPerIpOption = 16
 
     def directory(self) -> Path:
         """--data-dir, else $PRIME_NODE_DATA_DIR (or the user data dir)."""
@@ -121,6 +155,10 @@ class NodeFlags:
             bootstrap_timeout=self.bootstrap_timeout,
             role=role,
             dead_after=dead_after,
+            relay_service=self.relay_service,
+            hole_punching=self.hole_punching,
+            neighbours=self.neighbours,
+            max_inbound_per_ip=self.max_inbound_per_ip,
         )
 
     def key(self) -> WalletKey:
@@ -192,6 +230,10 @@ def network_config(
     bootstrap_timeout: float,
     role: str = "auto",
     dead_after: float = 0.0,
+    relay_service: bool = True,
+    hole_punching: bool = True,
+    neighbours: int = 8,
+    max_inbound_per_ip: int = 16,
 ) -> NodeConfig:
     """A checked NodeConfig from the flags above; NodeError (one line) on a bad value."""
     from prime_node.node_config import NodeConfig
@@ -209,6 +251,11 @@ def network_config(
             heartbeat_interval=heartbeat_interval,
             bootstrap_timeout=bootstrap_timeout,
             dead_after=dead_after,
+            relay_service=relay_service,
+            hole_punching=hole_punching,
+            neighbours=neighbours,
+            max_neighbours=2 * neighbours,
+            max_inbound_per_ip=max_inbound_per_ip,
         )
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         problems = "; ".join(

@@ -33,10 +33,9 @@ from crypto.keys import Address
 from prime_node.errors import NodeError
 from prime_node.node.clock import NodeClock
 from prime_node.node.core import NodeCore
-from prime_node.node.heartbeats import offence_for
 from prime_node.p2p.interface import FramedStream, GossipMessage
 from protocol.codec import decode, encode
-from protocol.envelope import Domain, Envelope, EnvelopeVerifier, seal
+from protocol.envelope import Domain, Envelope, EnvelopeVerifier, Reject, seal
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.gossip_sequence import (
     MAX_GOSSIP_PAYLOAD,
@@ -310,6 +309,19 @@ class GossipScope:
         for name, handler in self._mine:
             self._gossip.unsubscribe(name, handler)
         self._mine.clear()
+
+
+def offence_for(error: ProtocolError) -> Offence | None:
+    """How much a refused envelope says about its sender (None: nothing, e.g. a redelivery)."""
+    if error.reason in (Reject.REPLAY, Reject.BEHIND_REPLAY_WINDOW):
+        return None
+    if error.reason == Reject.BAD_SIGNATURE:
+        return Offence.INVALID_SIGNATURE
+    if error.reason in (Reject.SIGNER_MISMATCH, "signer_mismatch", "bad_peer_id"):
+        return Offence.SIGNER_MISMATCH
+    if error.reason in (Reject.EXPIRED, Reject.FROM_THE_FUTURE):
+        return Offence.STALE
+    return Offence.MALFORMED
 
 
 def _check_signer(envelope: Envelope, sender_peer_id: str) -> None:

@@ -17,14 +17,28 @@ import trio
 
 from crypto.keys import WalletKey
 from prime_node.errors import first_node_error
+from prime_node.node.probe_service import ProbeService
+from prime_node.node.reachability_service import ReachabilityService
 from prime_node.node.service import Node, NodeService
 from prime_node.node_config import NodeConfig
+from protocol.connection_admission import ConnectionLimits
 from protocol.peer_record import HardwareSummary
 
 SHUTDOWN_DEADLINE = 5.0
 
 
 NodeBody = Callable[[Node], Awaitable[None]]
+
+
+def inbound_limits(config: NodeConfig) -> ConnectionLimits:
+    """The connection gate's budgets, with the operator's per-IP bound (pending handshakes scale along)."""
+    per_ip = config.max_inbound_per_ip
+    return ConnectionLimits(
+        established_per_group=per_ip,
+        pending_per_group=max(8, per_ip // 2),
+        pending_total=max(64, per_ip),
+        established_total=max(192, 2 * per_ip),
+    )
 
 
 def local_hardware() -> HardwareSummary:
@@ -55,10 +69,28 @@ def run_node_until_signal(
     from prime_node.p2p.libp2p_host import open_libp2p_host
 
     def open_host(wallet: WalletKey):  # type: ignore[no-untyped-def]
-        return open_libp2p_host(wallet, config.listen)
+        return open_libp2p_host(
+            wallet,
+            config.listen,
+            relay_service=config.relay_service,
+            hole_punching=config.hole_punching,
+            limits=inbound_limits(config),
+        )
+
+    # Every node keeps its NAT state current (docs/nat.md); one told its public address needs no relay.
+    reachability = ReachabilityService(
+        config.bootstrap, reserve_relay=config.hole_punching and not config.announce
+    )
 
     async def main() -> None:
-        node = Node(config, key, open_host, services=services, hardware=local_hardware())
+        # Every node answers ``prime-node doctor``'s clock and bandwidth probes (protocol/probe.py).
+        node = Node(
+            config,
+            key,
+            open_host,
+            services=[*services, ProbeService(), reachability],
+            hardware=local_hardware(),
+        )
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)

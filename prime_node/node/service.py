@@ -3,8 +3,8 @@
 Services get a read-only ``NodeContext`` (prime_node/node/context.py), never the Node: they report what
 they hold (status sections, parts of the peer record) and the node reads the reports. The hardware
 summary is the caller's to probe (``prime_node.node.runner.local_hardware``); the node does no probing.
-``Node.run`` is started with ``nursery.start``; it reports ready once the host listens, the heartbeat
-topic is subscribed and node.json is written, and it stops when its nursery is cancelled (SIGINT/SIGTERM
+``Node.run`` is started with ``nursery.start``; it reports ready once the host listens, its own peer
+record is signed and node.json is written, and it stops when its nursery is cancelled (SIGINT/SIGTERM
 in the CLI), marking node.json stopped on the way out.
 One module over 400 lines on purpose: the Node's loops (heartbeats, membership, discovery, bootstrap)
 share its host, membership and record, and the I/O-free rules they apply already live in protocol/.
@@ -23,39 +23,35 @@ from typing import Any, Protocol
 import trio
 
 from crypto.identity import peer_id_from_public_key
-from crypto.keys import Address, WalletKey
+from crypto.keys import WalletKey
 from prime_node import __version__
 from prime_node.errors import NodeError
 from prime_node.node.clock import NodeClock
 from prime_node.node.context import NodeContext, NodeIdentity, NodeReports, RecordPart, StatusSection
 from prime_node.node.core import NodeCore
-from prime_node.node.gossip import Delivered, GossipService
-from prime_node.node.heartbeats import DirectHeartbeats
+from prime_node.node.gossip import GossipService
 from prime_node.node.metrics import NodeMetrics
+from prime_node.node.neighbour_links import NeighbourLinks
 from prime_node.node.peers import PeerPolicy
 from prime_node.node.status_api import serve_status
 from prime_node.node_config import NodeConfig
 from prime_node.p2p.interface import P2PHost, PeerAddresses
-from protocol.codec import encode
-from protocol.envelope import Envelope
-from protocol.errors import RemoteProtocolError
 from protocol.membership import Membership, MembershipConfig, PeerState, StateChanged
-from protocol.peer_record import HardwareSummary, PeerRecord, parse_peer_record
-from protocol.scoring import Offence, ScoringConfig
+from protocol.overlay import OverlayConfig
+from protocol.peer_record import HardwareSummary, PeerRecord
+from protocol.record_book import refresh_interval
+from protocol.scoring import ScoringConfig
 
 log = logging.getLogger(__name__)
-HEARTBEAT_TOPIC = "heartbeats"
 NODE_FILE = "node.json"
 BOOTSTRAP_BACKOFF_MAX = 30.0
 PROVIDE_REFRESH = 600.0
-GOSSIP_RECORD_EVERY = 5
 DIAL_YIELD_DELAY = 3.0
-DISCOVERY_WARMUP = 60.0
 
 HostOpener = Callable[[WalletKey], AbstractAsyncContextManager[P2PHost]]
 UNPROBED = HardwareSummary(cpu_cores=0, ram_mib=0, gpu_count=0, gpu_vram_mib=0)
 """The hardware a node advertises when its caller probed none (tests, benchmarks)."""
-__all__ = ["HEARTBEAT_TOPIC", "UNPROBED", "Node", "NodeIdentity", "NodeService", "StatusSection"]
+__all__ = ["UNPROBED", "Node", "NodeIdentity", "NodeService", "StatusSection"]
 
 
 class NodeService(Protocol):
@@ -100,14 +96,15 @@ class Node:
         self.probed_hardware = hardware
         self.api_url: str | None = None
         self.bootstrapped = trio.Event()
-        self._latency_ms: dict[str, int] = {}
         self._dialing: set[str] = set()
         self._known: set[str] = set()  # peers vouched for at the connection gate (``_update_known_peers``)
         self._host: P2PHost | None = None
         self._clock: NodeClock | None = None
         self._policy: PeerPolicy | None = None
         self._gossip: GossipService | None = None
-        self._direct: DirectHeartbeats | None = None
+        self._links: NeighbourLinks | None = None
+        self._issued: tuple[object, ...] | None = None  # what the last record we signed said (load aside)
+        self._issued_at = 0.0
         self._context: NodeContext | None = None
 
     # -- accessors for the status API and tests ---------------------------------------------------------
@@ -125,10 +122,11 @@ class Node:
         return self._gossip
 
     @property
-    def direct_heartbeats(self) -> DirectHeartbeats:
-        if self._direct is None:
+    def links(self) -> NeighbourLinks:
+        """The direct links to our neighbours (heartbeats and the peer records they carry)."""
+        if self._links is None:
             raise NodeError("the node is not running", reason="not_running")
-        return self._direct
+        return self._links
 
     @property
     def policy(self) -> PeerPolicy:
@@ -178,7 +176,7 @@ class Node:
     def dataplane_port(self) -> int:
         return self.held().dataplane_port or 0
 
-    def record(self) -> PeerRecord:
+    def record(self, refresh_s: int = 0) -> PeerRecord:
         held = self.held()
         return PeerRecord(
             address=self.key.address,
@@ -190,6 +188,7 @@ class Node:
             load_percent=held.load_percent or 0,
             software_version=__version__,
             dataplane_port=held.dataplane_port or 0,
+            refresh_s=refresh_s,
         )
 
     def advertised_multiaddrs(self) -> list[str]:
@@ -212,8 +211,14 @@ class Node:
                     host, self.key, self.config.run_id, clock, self.metrics, self._policy, nursery
                 )
                 self._gossip = GossipService(core)
-                await self._gossip.subscribe(HEARTBEAT_TOPIC, self._on_gossiped_record)
-                self._direct = DirectHeartbeats(core, self._on_direct_heartbeat)
+                self._links = NeighbourLinks(
+                    core,
+                    self.membership,
+                    interval=self.config.heartbeat_interval,
+                    on_changes=self._log_changes,
+                    overlay=OverlayConfig(self.config.neighbours, self.config.max_neighbours),
+                )
+                self._issue_record()
                 self._context = context = NodeContext(
                     key=self.key,
                     identity=self.identity,
@@ -254,50 +259,38 @@ class Node:
                     self._write_node_file("stopped")
 
     async def _heartbeat_loop(self) -> None:
-        """Each interval: the record directly to every connected peer; every few, also on gossip."""
-        beats = 0
+        """Each interval: re-sign our record if it changed or is due, and keep D neighbours (the links
+        themselves send the beats)."""
         while True:
-            payload = encode(self.record())
-            self.direct_heartbeats.beat(payload)
-            if beats % GOSSIP_RECORD_EVERY == 0:
-                try:
-                    await self.gossip.publish(HEARTBEAT_TOPIC, payload)
-                except NodeError as exc:
-                    log.debug("peer record not gossiped: %s", exc)
-            beats += 1
+            self._issue_record()
+            healthy = self.peers_in(PeerState.HEALTHY)
+            self.links.maintain(healthy + [p for p in self.host.connected_peers() if p not in healthy])
             await trio.sleep(self.config.heartbeat_interval)
 
-    async def _on_gossiped_record(self, message: Delivered) -> None:
-        self._accept_record(message.origin_peer_id, message.origin, message.payload, message.timestamp_ms)
+    def _issue_record(self) -> None:
+        """Sign a new record when what it says changed (passed on at once) or its refresh is due (passed
+        on with the beats). The load figure alone never triggers one: it changes all the time."""
+        refresh = refresh_interval(len(self.membership), self.links.book.config)
+        record = self.record(refresh_s=round(refresh))
+        content = (
+            record.role,
+            record.multiaddrs,
+            record.hardware,
+            record.versions_held,
+            record.dataplane_port,
+        )
+        now = self.now()
+        changed = content != self._issued
+        if changed or now - self._issued_at >= refresh:
+            self.links.issue(record, urgent=changed)
+            self._issued, self._issued_at = content, now
 
-    async def _on_direct_heartbeat(self, sender: str, envelope: Envelope) -> None:
-        self._accept_record(sender, envelope.signer, envelope.payload, envelope.timestamp_ms)
-
-    def _accept_record(self, sender: str, signer: Address, payload: bytes, timestamp_ms: int) -> None:
-        """A record whose envelope is verified and whose signer is ``sender``: check it, then note it."""
-        clock = self._clock
-        assert clock is not None
-        try:
-            record = parse_peer_record(payload, signer)
-            if record.peer_id != sender:
-                raise RemoteProtocolError("record names another peer ID", reason="signer_mismatch")
-        except RemoteProtocolError as exc:
-            self.metrics.reject(exc.reason)
-            offence = Offence.SIGNER_MISMATCH if exc.reason == "signer_mismatch" else Offence.MALFORMED
-            self.policy.offence(sender, offence, exc.reason)
-            return
-        self.metrics.count("heartbeats_received")
-        self._latency_ms[record.peer_id] = max(clock.wall_ms() - timestamp_ms, 0)
-        self._log_changes(self.membership.heard(record.peer_id, record, clock.now()))
-        if (
-            record.peer_id not in self.host.connected_peers()
-            and len(self.host.connected_peers()) < self.config.max_peers
-            and not self.policy.is_banned(record.peer_id)
-        ):
-            self._dial_in_background(PeerAddresses(record.peer_id, record.multiaddrs))
+    def neighbours(self) -> list[str]:
+        """Peers we exchange beats with directly (everyone else is known from records)."""
+        return self._links.neighbours() if self._links else []
 
     def latency_ms(self, peer_id: str) -> int | None:
-        return self._latency_ms.get(peer_id)
+        return self._links.latency_ms.get(peer_id) if self._links else None
 
     def _dial_in_background(self, peer: PeerAddresses) -> None:
         if peer.peer_id in self._dialing:
@@ -352,19 +345,32 @@ class Node:
         for change in changes:
             before = change.before.value if change.before else "new"
             after = change.after.value if change.after else "forgotten"
-            if change.after is None:
-                self._latency_ms.pop(change.peer_id, None)
+            if change.after is None and self._links is not None:
+                self._links.forget(change.peer_id)
             self.metrics.event(self.uptime(), "peer", f"{change.peer_id[-8:]} {before} -> {after}")
             log.info("peer %s: %s -> %s", change.peer_id, before, after)
 
     async def _bootstrap_loop(self, multiaddr: str) -> None:
-        """Keep a connection to one bootstrap peer, retrying with exponential backoff."""
+        """Stay connected to one bootstrap peer while we need it, retrying with exponential backoff.
+
+        A bootstrap is the way in: once this node has all its neighbours elsewhere (the bootstrap was
+        full and refused it), it hangs up, so the bootstrap's connection slots stay free for the next
+        joiners; it dials again whenever it has fewer neighbours than it wants (a restarted bootstrap is
+        found again this way in a small swarm)."""
         backoff = 0.5
         peer_id: str | None = None
         while True:
-            if peer_id is None or peer_id not in self.host.connected_peers():
+            links = self.links.neighbours()
+            if peer_id is not None and peer_id not in links and len(links) >= self.config.neighbours:
+                if peer_id in self.host.connected_peers():
+                    await self.host.disconnect(peer_id)
+                    self.metrics.event(self.uptime(), "bootstrap", f"left {multiaddr}: neighbours elsewhere")
+            elif peer_id is None or (
+                peer_id not in self.host.connected_peers() and len(links) < self.config.neighbours
+            ):
                 try:
                     peer_id = await self.host.connect(multiaddr)
+                    self.links.maintain([peer_id])
                     self.bootstrapped.set()
                     self.metrics.event(self.uptime(), "bootstrap", f"connected to {multiaddr}")
                     backoff = 0.5
@@ -389,19 +395,18 @@ class Node:
         )
 
     async def _discovery_loop(self) -> None:
-        """Provide the run in the DHT and dial its other providers.
+        """Provide the run in the DHT, and look up its other providers while we lack neighbours.
 
-        Lookups run every second for the first ``DISCOVERY_WARMUP`` seconds after bootstrap (others are
-        joining too), then back off to ``discovery_interval`` while they find nobody new
-        (newcomers also reach us through heartbeats, which carry their multiaddrs); the provider record
-        is refreshed every ``PROVIDE_REFRESH`` s. DHT queries are the costliest idle traffic, so they are
-        kept rare once the swarm is known.
+        Records passed along the neighbour links tell a node about everyone else, so the DHT is only the
+        way in: lookups run (every second at first, backing off to ``discovery_interval``) while the
+        overlay wants more links than the known members offer, and stop once it has them. DHT queries
+        are the costliest idle traffic a node has. The provider record is refreshed every
+        ``PROVIDE_REFRESH`` s.
         """
         run_key = f"/prime-node/run/{self.config.run_id}"
-        pause = 0.5
+        pause = 1.0
         provided_at: float | None = None
         await self.bootstrapped.wait()
-        started = trio.current_time()
         while True:
             now = trio.current_time()
             found: list[PeerAddresses] = []
@@ -409,17 +414,18 @@ class Node:
                 if provided_at is None or now - provided_at >= PROVIDE_REFRESH:
                     await self.host.provide(run_key)
                     provided_at = now
-                found = await self.host.find_providers(run_key)
+                if self.links.wanted() > 0:
+                    found = await self.host.find_providers(run_key)
+                    self.metrics.count("discovery_rounds")
             except NodeError as exc:
                 log.debug("discovery round failed: %s", exc)
             connected = set(self.host.connected_peers())
             new = [p for p in found if p.peer_id not in connected and not self.policy.is_banned(p.peer_id)]
-            for peer in new[: max(0, self.config.max_peers - len(connected))]:
+            room = min(self.links.wanted(), self.config.max_peers - len(connected))
+            for peer in new[: max(0, room)]:
                 self._dial_in_background(peer)
-            self.metrics.count("discovery_rounds")
             await trio.sleep(pause)
-            warming_up = trio.current_time() - started < DISCOVERY_WARMUP
-            pause = 1.0 if new or warming_up else min(pause * 2, self.config.discovery_interval)
+            pause = 1.0 if new else min(pause * 2, self.config.discovery_interval)
 
     # -- node.json ---------------------------------------------------------------------------------------
 

@@ -48,11 +48,13 @@ class StatusSource(Protocol):
     def uptime(self) -> float: ...
     def latency_ms(self, peer_id: str) -> int | None: ...
     def advertised_multiaddrs(self) -> list[str]: ...
+    def neighbours(self) -> list[str]: ...
 
 
 def snapshot(node: StatusSource) -> dict[str, Any]:
     running = node.is_running
     connected = set(node.host.connected_peers()) if running else set()
+    neighbours = set(node.neighbours()) if running else set()
     peers = []
     for member in node.membership.members():
         record = member.record
@@ -63,6 +65,7 @@ def snapshot(node: StatusSource) -> dict[str, Any]:
                 "state": member.state.value,
                 "role": record.role,
                 "connected": member.peer_id in connected,
+                "neighbour": member.peer_id in neighbours,
                 "score": round(node.policy.score(member.peer_id), 1) if running else 0.0,
                 "banned": node.policy.is_banned(member.peer_id) if running else False,
                 "latency_ms": node.latency_ms(member.peer_id),
@@ -91,6 +94,7 @@ def snapshot(node: StatusSource) -> dict[str, Any]:
         "multiaddrs": node.advertised_multiaddrs() if running else [],
         "api": node.api_url,
         "connected_peers": len(connected),
+        "neighbours": sorted(neighbours),
         "routing_table_size": node.host.routing_table_size() if running else 0,
         "peers": peers,
         "banned": banned,

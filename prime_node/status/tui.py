@@ -51,7 +51,12 @@ def _peer_row(peer: dict[str, Any]) -> list[Text]:
         Text(as_text(peer.get("address"), 42)),
         Text(short(as_text(peer.get("peer_id")), 6)),
         Text(as_text(peer.get("role"), 16)),
-        Text(state + (" (banned)" if peer.get("banned") is True else ""), style=_STATE_STYLE.get(state, "")),
+        Text(
+            state
+            + (" (banned)" if peer.get("banned") is True else "")
+            + (" *" if peer.get("neighbour") is True else ""),
+            style=_STATE_STYLE.get(state, ""),
+        ),
         Text("-" if score is None else f"{score:.0f}"),
         Text("-" if latency is None else f"{latency:.0f} ms"),
         Text("-" if heard is None else f"{heard:.1f} s ago"),
@@ -75,6 +80,8 @@ def render(data: dict[str, Any], previous: dict[str, Any] | None = None, seconds
     header.add_row("listening", Text("\n".join(m for m in listening if m) or "-"))
     connected, table = as_int(data.get("connected_peers")) or 0, as_int(data.get("routing_table_size")) or 0
     header.add_row("connections", f"{connected} (DHT routing table {table})")
+    neighbours = len(as_list(data.get("neighbours")))
+    header.add_row("neighbours", f"{neighbours} (beats and peer records; the rest known from records)")
     for label, value in _rates(data, previous, seconds).items():
         header.add_row(label, value)
     sections = data.get("sections")
@@ -87,7 +94,7 @@ def render(data: dict[str, Any], previous: dict[str, Any] | None = None, seconds
         header.add_row("refused", Text(", ".join(f"{k}={v}" for k, v in refused.items())))
 
     peer_list = [as_dict(peer) for peer in as_list(data.get("peers"))[:MAX_PEER_ROWS]]
-    peers = Table(title=f"peers ({len(as_list(data.get('peers')))})", expand=True)
+    peers = Table(title=f"peers ({len(as_list(data.get('peers')))}; * = neighbour)", expand=True)
     for column in ("address", "peer id", "role", "state", "score", "latency", "last heard", "load"):
         peers.add_column(column)
     for peer in peer_list:

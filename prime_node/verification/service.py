@@ -548,6 +548,11 @@ class ValidatorService:
         )
         self._judge = Judge(validator, self.key)
 
+    async def preload(self, step: int) -> bool:
+        """Load the policy of ``step`` now (in a thread), so the first batch of that step does not wait
+        for it; False if the checkpoint is not here (yet)."""
+        return await trio.to_thread.run_sync(self._engine, step) is not None
+
     def _engine(self, step: int) -> TorchEngine | None:
         """``PolicyEngines``, once the tokenizer is known (read from the first checkpoint seen when none
         was given)."""

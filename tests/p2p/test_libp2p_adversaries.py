@@ -1,7 +1,9 @@
-"""Hostile peers against real libp2p nodes on 127.0.0.1: plaintext dials, forged peer records, flooding."""
+"""Hostile peers against real libp2p nodes on 127.0.0.1: plaintext dials, forged peer records passed on
+by a neighbour, flooding."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -11,18 +13,15 @@ import trio
 
 from crypto.identity import peer_id_from_public_key
 from crypto.keys import WalletKey
-from prime_node.node.clock import NodeClock
-from prime_node.node.core import NodeCore
-from prime_node.node.gossip import GossipService
-from prime_node.node.heartbeats import HEARTBEAT_PROTOCOL
-from prime_node.node.metrics import NodeMetrics
-from prime_node.node.peers import PeerPolicy
+from prime_node.errors import NodeError
+from prime_node.node.neighbour_links import NEIGHBOUR_PROTOCOL
 from prime_node.node.runner import local_hardware
-from prime_node.node.service import HEARTBEAT_TOPIC
+from prime_node.node.service import Node
+from prime_node.p2p.interface import FramedStream
 from prime_node.p2p.libp2p_host import Libp2pHost, open_libp2p_host
-from protocol.codec import encode
+from protocol.codec import decode, encode
 from protocol.envelope import Domain, seal
-from protocol.gossip_sequence import GossipFrame
+from protocol.overlay import MAX_NEIGHBOUR_FRAME, FrameKind, NeighbourFrame
 from protocol.peer_record import PeerRecord
 from protocol.scoring import Offence, ScoringConfig
 from tests.p2p.helpers import make_config, sees_all, start_node, wait_until
@@ -55,72 +54,59 @@ async def test_a_plaintext_only_dial_is_refused(tmp_path: Path) -> None:
         nursery.cancel_scope.cancel()
 
 
-async def _adversary_gossip(host: Libp2pHost, key: WalletKey, nursery: trio.Nursery) -> GossipService:
-    clock, metrics = NodeClock(), NodeMetrics()
-    policy = PeerPolicy(host, clock, metrics, nursery, ScoringConfig())
-    gossip = GossipService(NodeCore(host, key, "test", clock, metrics, policy, nursery))
-
-    async def ignore(_: object) -> None:
-        return None
-
-    await gossip.subscribe(HEARTBEAT_TOPIC, ignore)
-    return gossip
+def _record_envelope(signer: WalletKey, record: PeerRecord, now_ms: int) -> bytes:
+    return encode(seal(signer, Domain("peer_record", "test"), encode(record), now_ms=now_ms))
 
 
-async def test_a_peer_record_signed_by_another_key_is_refused(tmp_path: Path) -> None:
+def _frame(kind: FrameKind, records: tuple[bytes, ...], now_ms: int) -> bytes:
+    return encode(NeighbourFrame(kind.value, now_ms, records))
+
+
+async def _open_link(forger: Libp2pHost, key: WalletKey, node: Node) -> FramedStream:
+    """Become the node's neighbour the honest way: a hello with our own valid record."""
+    await forger.connect(node.advertised_multiaddrs()[0])
+    stream = await forger.open_stream(node.identity.peer_id, NEIGHBOUR_PROTOCOL)
+    now_ms = node.links.clock.wall_ms()
+    own = _record_envelope(key, record_for(key, tuple(forger.listen_multiaddrs())), now_ms)
+    await stream.send_frame(_frame(FrameKind.HELLO, (own,), now_ms))
+    answer = await stream.receive_frame(MAX_NEIGHBOUR_FRAME)
+    assert answer is not None and decode(answer, NeighbourFrame).kind == FrameKind.WELCOME
+    return stream
+
+
+async def test_forged_peer_records_passed_on_by_a_neighbour_are_refused_and_charged(tmp_path: Path) -> None:
+    """Passing on others' records is what neighbours do, so a record signed by its owner is taken whoever
+    relays it; a record about one key signed by another, or with a broken signature, is refused and the
+    neighbour who passed it on is charged."""
     async with trio.open_nursery() as nursery:
         node, _ = await start_node(nursery, OPEN, make_config(tmp_path, 0))
-        forger_key, victim_key = WalletKey.generate(), WalletKey.generate()
+        forger_key, victim_key, honest_key = WalletKey.generate(), WalletKey.generate(), WalletKey.generate()
         async with OPEN(forger_key) as forger:
-            gossip = await _adversary_gossip(forger, forger_key, nursery)
-            await forger.connect(node.advertised_multiaddrs()[0])
-            domain = Domain("gossip", "test")
-            topic = f"prime-node/test/{HEARTBEAT_TOPIC}"
-            for sequence in range(12):
-                # 1: an envelope signed by the victim's key, published over the forger's connection.
-                frame = GossipFrame(topic, 1, sequence, encode(record_for(victim_key)))
-                now_ms = gossip.clock.wall_ms()
-                await forger.publish(topic, encode(seal(victim_key, domain, encode(frame), now_ms=now_ms)))
-                # 2: the forger's own envelope around a record that claims the victim's identity.
-                await gossip.publish(HEARTBEAT_TOPIC, encode(record_for(victim_key)))
-                await trio.sleep(0.4)
-            await wait_until(lambda: node.metrics.rejections["signer_mismatch"] >= 2, timeout=10)
-            victim_peer_id = peer_id_from_public_key(victim_key.public_key)
-            assert node.membership.get(victim_peer_id) is None
-            assert node.membership.get(forger.peer_id) is None
-            assert node.policy.score(forger.peer_id) < 0
-        nursery.cancel_scope.cancel()
-
-
-async def test_a_direct_heartbeat_signed_by_another_key_is_refused(tmp_path: Path) -> None:
-    async with trio.open_nursery() as nursery:
-        node, _ = await start_node(nursery, OPEN, make_config(tmp_path, 0))
-        forger_key, victim_key = WalletKey.generate(), WalletKey.generate()
-        async with OPEN(forger_key) as forger:
-            await forger.connect(node.advertised_multiaddrs()[0])
-            stream = await forger.open_stream(node.identity.peer_id, HEARTBEAT_PROTOCOL)
-            domain = Domain("heartbeat", "test")
-            now_ms = node.direct_heartbeats.clock.wall_ms()
-            await stream.send_frame(
-                encode(seal(victim_key, domain, encode(record_for(victim_key)), now_ms=now_ms))
-            )
-            await stream.send_frame(
-                encode(seal(forger_key, domain, encode(record_for(victim_key)), now_ms=now_ms))
-            )
+            stream = await _open_link(forger, forger_key, node)
+            now_ms = node.links.clock.wall_ms()
+            claims_victim = _record_envelope(forger_key, record_for(victim_key), now_ms)
+            relayed = _record_envelope(honest_key, record_for(honest_key), now_ms)
+            broken = bytearray(_record_envelope(victim_key, record_for(victim_key), now_ms))
+            broken[-10] ^= 0xFF  # inside the signature
+            await stream.send_frame(_frame(FrameKind.BEAT, (claims_victim, relayed, bytes(broken)), now_ms))
             await stream.send_frame(b"\x93\x01junk")
-            await wait_until(lambda: node.metrics.rejections["signer_mismatch"] >= 2, timeout=10)
+            await wait_until(lambda: node.metrics.rejections["signer_mismatch"] >= 1, timeout=10)
             await wait_until(lambda: node.metrics.rejections["malformed"] >= 1, timeout=10)
+            await wait_until(
+                lambda: node.membership.get(peer_id_from_public_key(honest_key.public_key)) is not None,
+                timeout=10,
+            )
+            assert node.metrics.rejections["bad_signature"] + node.metrics.rejections["signer_mismatch"] >= 2
             assert node.membership.get(peer_id_from_public_key(victim_key.public_key)) is None
-            assert node.membership.get(forger.peer_id) is None
-            expected = -(2 * ScoringConfig().penalties[Offence.SIGNER_MISMATCH])
-            assert node.policy.score(forger.peer_id) <= expected + 5  # (minus a few seconds' recovery)
+            penalties = ScoringConfig().penalties
+            assert node.policy.score(forger.peer_id) <= -penalties[Offence.SIGNER_MISMATCH] + 5
             await stream.close()
         nursery.cancel_scope.cancel()
 
 
 async def test_a_flooding_peer_is_banned_while_the_others_keep_delivering(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
-        # Honest nodes send one heartbeat per second; ten per second from one origin is a flood.
+        # Honest neighbours send one frame per second; ten per second from one peer is a flood.
         scoring = ScoringConfig(flood_limit=10)
         first, _ = await start_node(nursery, OPEN, make_config(tmp_path, 0), scoring=scoring)
         boot = first.advertised_multiaddrs()[0]
@@ -133,20 +119,18 @@ async def test_a_flooding_peer_is_banned_while_the_others_keep_delivering(tmp_pa
         await wait_until(lambda: all(sees_all(n, nodes) for n in nodes), timeout=30)
         flooder_key = WalletKey.generate()
         async with OPEN(flooder_key) as flooder:
-            gossip = await _adversary_gossip(flooder, flooder_key, nursery)
-            for node in nodes:
-                await flooder.connect(node.advertised_multiaddrs()[0])
-            record = encode(record_for(flooder_key, tuple(flooder.listen_multiaddrs())))
-            await trio.sleep(1.5)  # let the gossip mesh include the flooder
+            streams = [await _open_link(flooder, flooder_key, node) for node in nodes]
 
-            async def flood() -> None:
-                while True:
-                    await gossip.publish(HEARTBEAT_TOPIC, record)
-                    await trio.sleep(1 / 80)
+            async def flood(stream: FramedStream) -> None:
+                with contextlib.suppress(NodeError):  # until the node hangs up on us
+                    while True:
+                        await stream.send_frame(_frame(FrameKind.BEAT, (), first.links.clock.wall_ms()))
+                        await trio.sleep(1 / 80)
 
             with trio.move_on_after(25):
                 async with trio.open_nursery() as flood_nursery:
-                    flood_nursery.start_soon(flood)
+                    for stream in streams:
+                        flood_nursery.start_soon(flood, stream)
                     await wait_until(
                         lambda: all(n.policy.is_banned(flooder.peer_id) for n in nodes), timeout=24
                     )

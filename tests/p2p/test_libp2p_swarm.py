@@ -27,6 +27,9 @@ async def test_eight_nodes_find_all_others_from_one_bootstrap_and_mark_a_killed_
             nodes.append(node)
             scopes.append(scope)
         await wait_until(lambda: all(sees_all(n, nodes) for n in nodes), timeout=45)
+        # Eight nodes are fewer than the default degree, so the overlay links every pair: each node
+        # then learns the victim's death from its own missed beats (non-neighbours age out with records).
+        await wait_until(lambda: all(len(n.links.neighbours()) == len(nodes) - 1 for n in nodes), timeout=30)
         victim = nodes[5]
         scopes[4].cancel()
         config = first.config

@@ -29,6 +29,8 @@ async def test_nodes_discover_each_other_and_mark_a_killed_one_dead(
             nodes.append(node)
             scopes.append(scope)
         await wait_until(lambda: all(sees_all(n, nodes) for n in nodes), timeout=30)
+        # Fewer nodes than the degree: every pair becomes neighbours, so deaths show as missed beats.
+        await wait_until(lambda: all(len(n.links.neighbours()) == len(nodes) - 1 for n in nodes), timeout=30)
         victim = nodes[3]
         scopes[2].cancel()
         config = nodes[0].config
@@ -89,4 +91,41 @@ async def test_lost_gossip_is_repaired_by_a_direct_request(
         assert dropped, "the filter dropped nothing, so repair was not exercised"
         assert sorted(got) == sorted([b"m%d" % i for i in range(30)] + [b"last"])
         assert receiver.metrics.counters["gossip_repaired"] == len(dropped)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_swarm_larger_than_the_degree_keeps_bounded_links_and_still_sees_everyone(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """40 nodes, degree 4, at most 8 links: everyone learns everyone from records passed along the
+    overlay, each node beats to at most 8 peers, and a killed node ages out of every table."""
+    network = MemoryNetwork()
+    small = {"neighbours": 4, "max_neighbours": 8}
+    async with trio.open_nursery() as nursery:
+        first, _ = await start_node(nursery, network.host, make_config(tmp_path, 0, **small), serve_api=False)
+        boot = first.host.listen_multiaddrs()[0]
+        nodes, scopes = [first], []
+        for i in range(1, 40):
+            node, scope = await start_node(
+                nursery, network.host, make_config(tmp_path, i, bootstrap=(boot,), **small), serve_api=False
+            )
+            nodes.append(node)
+            scopes.append(scope)
+        took = await wait_until(lambda: all(sees_all(n, nodes) for n in nodes), timeout=60)
+        assert took <= 3 * first.config.heartbeat_interval
+        await wait_until(lambda: all(len(n.links.neighbours()) >= 4 for n in nodes), timeout=60)
+        assert all(len(n.links.neighbours()) <= 8 for n in nodes)
+        before = [n.metrics.counters["heartbeats_sent"] for n in nodes]
+        await trio.sleep(10 * first.config.heartbeat_interval)
+        for node, sent in zip(nodes, before, strict=True):
+            beats = node.metrics.counters["heartbeats_sent"] - sent
+            assert beats <= 8 * 10 + 8  # at most one frame per link per interval (+ one for timing)
+        victim = nodes[7]
+        scopes[6].cancel()
+        await wait_until(
+            lambda: all(
+                victim.identity.peer_id not in n.peers_in(PeerState.HEALTHY) for n in nodes if n is not victim
+            ),
+            timeout=200,
+        )
         nursery.cancel_scope.cancel()

@@ -1,5 +1,6 @@
 """Hypothesis strategies for the p2p message types whose invariants random data rarely meets (a peer
-record must name one key three ways; a repair span is bounded). Importing this module registers them."""
+record must name one key three ways; a repair span is bounded; a neighbour frame has a known kind).
+Importing this module registers them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import strategies as st
 from crypto.identity import peer_id_from_public_key
 from crypto.keys import WalletKey
 from protocol.gossip_sequence import MAX_REPAIR_SPAN, RepairRequest
+from protocol.overlay import FrameKind, NeighbourFrame
 from protocol.peer_record import MAX_MULTIADDRS, MAX_VERSIONS_HELD, ROLES, HardwareSummary, PeerRecord
 from tests.strategies.messages import register_strategy
 
@@ -34,6 +36,8 @@ def peer_records(draw: st.DrawFn) -> PeerRecord:
         versions_held=tuple(draw(st.lists(st.integers(0, _U63), max_size=MAX_VERSIONS_HELD))),
         load_percent=draw(st.integers(0, 100)),
         software_version=draw(st.text(max_size=32)),
+        dataplane_port=draw(st.integers(0, 65535)),
+        refresh_s=draw(st.integers(0, 86_400)),
     )
 
 
@@ -48,5 +52,15 @@ def repair_requests(draw: st.DrawFn) -> RepairRequest:
     )
 
 
+@st.composite
+def neighbour_frames(draw: st.DrawFn) -> NeighbourFrame:
+    return NeighbourFrame(
+        kind=draw(st.sampled_from(list(FrameKind))).value,
+        sent_ms=draw(st.integers(0, _U63)),
+        records=tuple(draw(st.lists(st.binary(max_size=700), max_size=8))),
+    )
+
+
 register_strategy(PeerRecord, peer_records())
+register_strategy(NeighbourFrame, neighbour_frames())
 register_strategy(RepairRequest, repair_requests())

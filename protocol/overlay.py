@@ -1,0 +1,128 @@
+"""The neighbour overlay: each node keeps between ``degree`` and ``max_degree`` direct links, and the
+frames those links carry.
+
+A node opens links on its own until it has ``degree`` of them, to random peers it knows are healthy; it
+accepts links others open until it has ``max_degree``, and refuses beyond that (a refusal carries a
+random sample of the records it holds, so the refused peer learns whom else to ask). Both ends of a link
+send a frame every heartbeat interval (the beat: liveness of a neighbour) and piggyback the peer records
+the other end has not heard yet (protocol/record_book.py). Random choices over the whole known swarm keep
+the overlay an expander, so records cross it in O(log N) hops.
+
+Frames (one ``NeighbourFrame`` per length-prefixed stream frame):
+- ``hello``: the opener's own signed record: "be my neighbour";
+- ``welcome`` / ``busy``: the answer, with the answerer's record (welcome) or a sample (busy, then close);
+- ``beat``: liveness, plus queued records;
+- ``bye``: the sender drops the link on purpose (judge it by its records from now on).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Annotated
+
+from protocol.codec import IntRange, MaxLen, Message, message
+from protocol.errors import LocalProtocolError
+from protocol.record_book import MAX_RECORDS_PER_FRAME
+
+MAX_RECORD_ENVELOPE = 6144
+MAX_NEIGHBOUR_FRAME = MAX_RECORDS_PER_FRAME * (MAX_RECORD_ENVELOPE + 8) + 256
+BUSY_SAMPLE = 16
+
+
+class FrameKind(StrEnum):
+    HELLO = "hello"
+    WELCOME = "welcome"
+    BUSY = "busy"
+    BEAT = "beat"
+    BYE = "bye"
+
+
+@message("p2p.neighbour_frame", max_bytes=MAX_NEIGHBOUR_FRAME)
+@dataclass(frozen=True)
+class NeighbourFrame(Message):
+    kind: Annotated[str, MaxLen(8)]
+    sent_ms: Annotated[int, IntRange(0, (1 << 63) - 1)]
+    """The sender's wall clock (for latency and skew display only: the link is authenticated, the
+    records inside are signed, this number proves nothing)."""
+    records: Annotated[
+        tuple[Annotated[bytes, MaxLen(MAX_RECORD_ENVELOPE)], ...], MaxLen(MAX_RECORDS_PER_FRAME)
+    ]
+
+    def __post_init__(self) -> None:
+        if self.kind not in FrameKind.__members__.values():
+            from protocol.errors import InvariantError
+
+            raise InvariantError(
+                f"unknown neighbour frame kind {self.kind[:8]!r}", reason="bad_neighbour_frame"
+            )
+
+
+@dataclass(frozen=True)
+class OverlayConfig:
+    degree: int = 8
+    max_degree: int = 16
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.degree <= self.max_degree:
+            raise LocalProtocolError("overlay needs 1 <= degree <= max_degree", reason="bad_config")
+
+
+@dataclass
+class Overlay:
+    """Which peers are our neighbours, and whom to ask next."""
+
+    own_peer_id: str
+    config: OverlayConfig = field(default_factory=OverlayConfig)
+    links: set[str] = field(default_factory=set)
+    opening: set[str] = field(default_factory=set)
+    refused_by: dict[str, float] = field(default_factory=dict)
+    """peer ID -> when it refused us (not asked again for ``REFUSAL_MEMORY`` s)."""
+
+    def wanted(self) -> int:
+        """How many more links to open now."""
+        return max(0, self.config.degree - len(self.links) - len(self.opening))
+
+    def choose(self, healthy: Iterable[str], now: float, rng: random.Random) -> list[str]:
+        """Random healthy peers to open links to (not linked, not being opened, not recently refusing)."""
+        for peer_id, when in list(self.refused_by.items()):
+            if now - when >= REFUSAL_MEMORY:
+                del self.refused_by[peer_id]
+        candidates = sorted(
+            p
+            for p in healthy
+            if p != self.own_peer_id
+            and p not in self.links
+            and p not in self.opening
+            and p not in self.refused_by
+        )
+        return rng.sample(candidates, min(self.wanted(), len(candidates)))
+
+    def accepts(self, peer_id: str) -> bool:
+        """Take a link a peer opened to us? (Links we are opening count: they may all succeed.)"""
+        if peer_id == self.own_peer_id:
+            return False
+        return peer_id in self.links or len(self.links) + len(self.opening) < self.config.max_degree
+
+    def room_for(self, peer_id: str) -> bool:
+        """May a link we opened, now accepted, stand? (Inbound links may have filled us meanwhile.)"""
+        return peer_id in self.links or len(self.links) < self.config.max_degree
+
+    def refused(self, peer_id: str, now: float) -> None:
+        self.opening.discard(peer_id)
+        self.refused_by[peer_id] = now
+        if len(self.refused_by) > 4 * self.config.max_degree:
+            del self.refused_by[min(self.refused_by, key=self.refused_by.__getitem__)]
+
+    def linked(self, peer_id: str) -> None:
+        self.opening.discard(peer_id)
+        self.links.add(peer_id)
+
+    def unlinked(self, peer_id: str) -> None:
+        self.opening.discard(peer_id)
+        self.links.discard(peer_id)
+
+
+REFUSAL_MEMORY = 30.0

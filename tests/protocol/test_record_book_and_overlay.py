@@ -1,0 +1,228 @@
+"""The neighbour overlay's pure rules: record book (what to keep and pass on), overlay (whom to link
+with), and membership judged by beats or by records."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from protocol.codec import decode, encode
+from protocol.errors import ProtocolError
+from protocol.membership import RECORD_DEAD, RECORD_UNHEALTHY, Membership, MembershipConfig, PeerState
+from protocol.overlay import FrameKind, NeighbourFrame, Overlay, OverlayConfig
+from protocol.record_book import (
+    MAX_RECORDS_PER_FRAME,
+    Offer,
+    RecordBook,
+    RecordBookConfig,
+    clamp_refresh,
+    refresh_interval,
+)
+
+PEERS = [f"p{i}" for i in range(6)]
+NEIGHBOURS = ["n0", "n1", "n2"]
+
+
+def test_refresh_grows_with_the_swarm_so_the_swarm_wide_rate_stays_bounded() -> None:
+    config = RecordBookConfig(refresh_budget=2.0, min_refresh=30.0, max_refresh=1800.0)
+    assert refresh_interval(0, config) == 30.0
+    assert refresh_interval(9_999, config) == 1800.0  # capped: 10,000 / 2 = 5,000 s
+    for n in (100, 1_000, 3_000):
+        assert (n + 1) / refresh_interval(n, config) <= config.refresh_budget + 1e-9
+    assert clamp_refresh(0, config) == 30.0 and clamp_refresh(86_400, config) == 1800.0
+
+
+def test_offers_are_judged_before_any_signature_is_checked() -> None:
+    book = RecordBook("me")
+    now = 1_000_000
+    assert book.consider("me", now, now) is Offer.OWN
+    assert book.consider("a", now + 31_000, now) is Offer.FROM_THE_FUTURE
+    assert book.consider("a", now - 10**9, now) is Offer.TOO_OLD
+    assert book.consider("a", now, now) is Offer.NEW
+    book.store("a", now, b"rec-a", came_from=None)
+    assert book.consider("a", now, now) is Offer.KNOWN  # the same issue again: a duplicate
+    assert book.consider("a", now - 1, now) is Offer.KNOWN  # an older issue: a replay
+    assert book.consider("a", now + 1, now) is Offer.NEW
+
+
+def test_a_new_neighbour_gets_the_whole_table_ours_first_and_never_its_own_record() -> None:
+    book = RecordBook("me")
+    for i, peer in enumerate(["me", "a", "b", "n0"]):
+        book.store(peer, 10 + i, f"rec-{peer}".encode(), came_from=None)
+    book.link_up("n0", random.Random(1))
+    sent = book.take("n0", MAX_RECORDS_PER_FRAME)
+    assert sent[0] == b"rec-me"
+    assert sorted(sent) == [b"rec-a", b"rec-b", b"rec-me"]
+    assert book.take("n0") == []
+
+
+def test_a_full_book_refuses_newcomers_but_updates_known_peers() -> None:
+    book = RecordBook("me", RecordBookConfig(max_records=2))
+    assert book.store("a", 1, b"a1", came_from=None)
+    assert book.store("b", 1, b"b1", came_from=None)
+    assert not book.store("c", 1, b"c1", came_from=None)
+    assert book.store("a", 2, b"a2", came_from=None)
+    held = book.get("a")
+    assert held is not None and held.envelope == b"a2"
+    book.forget("b")
+    assert book.store("c", 1, b"c1", came_from=None)
+
+
+class RecordBookMachine(RuleBasedStateMachine):
+    """Whatever arrives in whatever order: each neighbour is sent each peer's newest record at most once
+    per issue, never the record it gave us, and the book holds the newest issue of every peer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.book = RecordBook("me")
+        self.newest: dict[str, int] = {}
+        self.linked: set[str] = set()
+        self.sent: dict[str, list[tuple[str, int]]] = {n: [] for n in NEIGHBOURS}
+        self.gave: dict[str, set[tuple[str, int]]] = {n: set() for n in NEIGHBOURS}
+
+    @rule(neighbour=st.sampled_from(NEIGHBOURS))
+    def link(self, neighbour: str) -> None:
+        if neighbour not in self.linked:
+            # A new link starts from nothing: the whole table goes out once more.
+            self.linked.add(neighbour)
+            self.sent[neighbour], self.gave[neighbour] = [], set()
+            self.book.link_up(neighbour, random.Random(0))
+
+    @rule(neighbour=st.sampled_from(NEIGHBOURS))
+    def unlink(self, neighbour: str) -> None:
+        self.linked.discard(neighbour)
+        self.book.link_down(neighbour)
+
+    @rule(
+        peer=st.sampled_from(PEERS), issued=st.integers(0, 20), came_from=st.sampled_from([None, *NEIGHBOURS])
+    )
+    def arrive(self, peer: str, issued: int, came_from: str | None) -> None:
+        if self.book.consider(peer, issued, 100) is not Offer.NEW:
+            assert issued <= self.newest.get(peer, -1)
+            return
+        assert self.book.store(peer, issued, f"{peer}:{issued}".encode(), came_from=came_from)
+        self.newest[peer] = issued
+        if came_from in self.linked:
+            self.gave[came_from].add((peer, issued))
+
+    @rule(neighbour=st.sampled_from(NEIGHBOURS), peer=st.sampled_from(PEERS), issued=st.integers(0, 20))
+    def duplicate(self, neighbour: str, peer: str, issued: int) -> None:
+        if issued <= self.newest.get(peer, -1):
+            self.book.seen_from(neighbour, peer, issued)
+            if neighbour in self.linked:
+                self.gave[neighbour].add((peer, issued))
+
+    @rule(neighbour=st.sampled_from(NEIGHBOURS), limit=st.integers(1, 4))
+    def send(self, neighbour: str, limit: int) -> None:
+        taken = self.book.take(neighbour, limit)
+        assert len(taken) <= limit
+        for raw in taken:
+            peer, issued = raw.decode().split(":")
+            entry = (peer, int(issued))
+            assert entry[1] == self.newest[peer]  # only the newest issue goes out
+            assert entry not in self.sent[neighbour]  # each issue at most once per neighbour
+            assert entry not in self.gave[neighbour] and peer != neighbour
+            self.sent[neighbour].append(entry)
+
+    @invariant()
+    def book_holds_the_newest(self) -> None:
+        for peer, issued in self.newest.items():
+            held = self.book.get(peer)
+            assert held is not None and held.issued_ms == issued
+
+    @invariant()
+    def pending_is_bounded_by_the_table(self) -> None:
+        for neighbour in NEIGHBOURS:
+            assert self.book.pending_count(neighbour) <= len(PEERS)
+
+
+TestRecordBook = RecordBookMachine.TestCase
+TestRecordBook.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_overlay_opens_up_to_degree_accepts_up_to_max_and_remembers_refusals() -> None:
+    overlay = Overlay("me", OverlayConfig(degree=2, max_degree=3))
+    rng = random.Random(0)
+    chosen = overlay.choose(["me", "a", "b", "c", "d"], 0.0, rng)
+    assert len(chosen) == 2 and "me" not in chosen
+    overlay.opening.update(chosen)
+    assert overlay.wanted() == 0
+    overlay.refused(chosen[0], 0.0)
+    overlay.linked(chosen[1])
+    assert overlay.wanted() == 1
+    again = overlay.choose(["a", "b", "c", "d"], 1.0, rng)
+    assert chosen[0] not in again and chosen[1] not in again  # refused recently / already linked
+    assert chosen[0] in overlay.choose([chosen[0]], 31.0, rng)  # the refusal is forgotten after a while
+    overlay.links.update({"x", "y"})
+    assert not overlay.accepts("z") and overlay.accepts("x") and not overlay.accepts("me")
+
+
+@given(st.lists(st.binary(max_size=64), max_size=MAX_RECORDS_PER_FRAME), st.sampled_from(list(FrameKind)))
+def test_neighbour_frames_round_trip(records: list[bytes], kind: FrameKind) -> None:
+    frame = NeighbourFrame(kind.value, 123, tuple(records))
+    assert decode(encode(frame), NeighbourFrame) == frame
+
+
+@given(st.binary(max_size=512))
+def test_hostile_neighbour_frames_fail_with_protocol_errors(data: bytes) -> None:
+    with contextlib.suppress(ProtocolError):
+        decode(data, NeighbourFrame)
+
+
+def test_unknown_frame_kinds_and_oversized_frames_are_refused() -> None:
+    with pytest.raises(ProtocolError):
+        decode(encode(NeighbourFrame("beat", 1, ())).replace(b"beat", b"evil"), NeighbourFrame)
+    with pytest.raises(ProtocolError):
+        encode(NeighbourFrame("beat", 1, tuple(b"x" for _ in range(MAX_RECORDS_PER_FRAME + 1))))
+
+
+CONFIG = MembershipConfig(unhealthy_after=3.0, dead_after=6.0, forget_after=20.0)
+
+
+def test_a_non_neighbour_ages_out_with_its_records() -> None:
+    membership: Membership[str] = Membership(CONFIG)
+    membership.heard_record("far", "r1", issued_at=0.0, refresh=30.0, now=1.0)
+    assert membership.in_state(PeerState.HEALTHY) == ["far"]
+    membership.tick(RECORD_UNHEALTHY * 30.0 - 0.1)
+    assert membership.in_state(PeerState.HEALTHY) == ["far"]
+    membership.tick(RECORD_UNHEALTHY * 30.0 + 0.1)
+    assert membership.in_state(PeerState.UNHEALTHY) == ["far"]
+    membership.heard_record("far", "r2", issued_at=80.0, refresh=30.0, now=80.5)  # a refresh: alive again
+    assert membership.in_state(PeerState.HEALTHY) == ["far"]
+    membership.tick(80.0 + RECORD_DEAD * 30.0)
+    assert membership.in_state(PeerState.DEAD) == ["far"]
+    membership.tick(80.0 + 10 * 30.0)
+    assert len(membership) == 0
+
+
+def test_a_killed_neighbour_dies_on_missed_beats_even_with_a_young_record() -> None:
+    membership: Membership[str] = Membership(CONFIG)
+    membership.heard_record("near", "r", issued_at=0.0, refresh=30.0, now=0.0)
+    membership.heard("near", "r", 1.0)
+    membership.tick(1.0 + CONFIG.dead_after)
+    assert membership.in_state(PeerState.DEAD) == ["near"]  # the record (75 s of life) does not count
+
+
+def test_a_neighbour_that_says_bye_is_judged_by_its_records_again() -> None:
+    membership: Membership[str] = Membership(CONFIG)
+    membership.heard_record("near", "r", issued_at=0.0, refresh=30.0, now=0.0)
+    membership.heard("near", "r", 1.0)
+    membership.unlinked("near", 2.0)
+    membership.tick(1.0 + CONFIG.dead_after + 1)
+    assert membership.in_state(PeerState.HEALTHY) == ["near"]
+    # A record issued after the last beat also moves it back to record windows.
+    membership.heard("near", "r", 10.0)
+    membership.heard_record("near", "r2", issued_at=11.0, refresh=30.0, now=11.0)
+    membership.tick(11.0 + CONFIG.dead_after + 1)
+    assert membership.in_state(PeerState.HEALTHY) == ["near"]
+
+
+def test_a_record_already_dead_on_arrival_adds_no_member() -> None:
+    membership: Membership[str] = Membership(CONFIG)
+    assert membership.heard_record("old", "r", issued_at=0.0, refresh=30.0, now=RECORD_DEAD * 30.0) == []
+    assert len(membership) == 0
