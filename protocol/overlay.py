@@ -79,7 +79,9 @@ class Overlay:
     links: set[str] = field(default_factory=set)
     opening: set[str] = field(default_factory=set)
     refused_by: dict[str, float] = field(default_factory=dict)
-    """peer ID -> when it refused us (not asked again for ``REFUSAL_MEMORY`` s)."""
+    """peer ID -> until when it is not asked again (it refused us, or could not be reached)."""
+    failures: dict[str, int] = field(default_factory=dict)
+    """peer ID -> attempts in a row that failed without an answer (their pause doubles)."""
 
     def wanted(self) -> int:
         """How many more links to open now."""
@@ -87,8 +89,8 @@ class Overlay:
 
     def choose(self, healthy: Iterable[str], now: float, rng: random.Random) -> list[str]:
         """Random healthy peers to open links to (not linked, not being opened, not recently refusing)."""
-        for peer_id, when in list(self.refused_by.items()):
-            if now - when >= REFUSAL_MEMORY:
+        for peer_id, until in list(self.refused_by.items()):
+            if now >= until:
                 del self.refused_by[peer_id]
         candidates = sorted(
             p
@@ -110,14 +112,25 @@ class Overlay:
         """May a link we opened, now accepted, stand? (Inbound links may have filled us meanwhile.)"""
         return peer_id in self.links or len(self.links) < self.config.max_degree
 
-    def refused(self, peer_id: str, now: float) -> None:
+    def refused(self, peer_id: str, now: float, *, answered: bool = True) -> None:
+        """``peer_id`` said busy (``answered``: not asked again for ``REFUSAL_MEMORY`` s), or the attempt
+        failed without an answer (a busy or unreachable peer: retried after 2 s, doubling up to the same
+        limit, so a node whose only peer is a loaded bootstrap keeps trying)."""
         self.opening.discard(peer_id)
-        self.refused_by[peer_id] = now
+        if answered:
+            pause = REFUSAL_MEMORY
+        else:
+            self.failures[peer_id] = failures = self.failures.get(peer_id, 0) + 1
+            pause = min(FAILURE_PAUSE * 2 ** (failures - 1), REFUSAL_MEMORY)
+        self.refused_by[peer_id] = now + pause
         if len(self.refused_by) > 4 * self.config.max_degree:
             del self.refused_by[min(self.refused_by, key=self.refused_by.__getitem__)]
+        while len(self.failures) > 4 * self.config.max_degree:
+            del self.failures[next(iter(self.failures))]
 
     def linked(self, peer_id: str) -> None:
         self.opening.discard(peer_id)
+        self.failures.pop(peer_id, None)
         self.links.add(peer_id)
 
     def unlinked(self, peer_id: str) -> None:
@@ -126,3 +139,4 @@ class Overlay:
 
 
 REFUSAL_MEMORY = 30.0
+FAILURE_PAUSE = 2.0

@@ -2,8 +2,8 @@
 
 A dial tries the peer's advertised ``host:port`` (bounded by ``tcp_timeout``: a port behind NAT often
 drops packets rather than refusing). If the TCP connect fails or times out, or the address answers as
-someone else (``wrong_peer``: a private address that is another machine on our own network) or never
-finishes the handshake, the dial falls back to a libp2p stream of ``fallback_protocol(context)`` to the
+someone else (``wrong_peer``: a private address that is another machine on our own network), the dial
+falls back to a libp2p stream of ``fallback_protocol(context)`` to the
 peer's libp2p ID, and runs the *same* handshake over it: the channel, its MACs, deadlines and memory
 budget do not care what carries them. ``RouteMemo`` remembers the failure, so the next dials go straight
 to the fallback until the pause ends. A handshake refused for another reason (the peer is full, a bad
@@ -39,8 +39,10 @@ log = logging.getLogger(__name__)
 
 TCP_DIAL_TIMEOUT = 5.0
 """How long a TCP connect may take before the dial falls back (a NAT that drops SYNs would take minutes)."""
-UNREACHABLE_REASONS = frozenset({"dial_failed", "wrong_peer", "handshake_timeout"})
-"""Why a TCP attempt counts as "this port does not reach the peer" (see the module doc)."""
+UNREACHABLE_REASONS = frozenset({"dial_failed", "wrong_peer"})
+"""Why a TCP attempt counts as "this port does not reach the peer" (see the module doc). A handshake that
+times out after the connect succeeded is a busy peer, not an unreachable one: falling back (and going on
+to the fallback for the pause) would only move the load onto the peer's libp2p connection."""
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,7 @@ class NeighbourLinks:
         except (NodeError, trio.TooSlowError) as exc:
             log.info("link to %s not opened: %s", peer_id, exc or type(exc).__name__)
             self.metrics.count("neighbour_open_failures")
-            self.overlay.refused(peer_id, self.clock.now())
+            self.overlay.refused(peer_id, self.clock.now(), answered=False)
             return
         if answer is None or answer.kind not in (FrameKind.WELCOME, FrameKind.BUSY):
             self.overlay.refused(peer_id, self.clock.now())

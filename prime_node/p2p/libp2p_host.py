@@ -67,7 +67,6 @@ GOSSIP_PRUNE_BACKOFF = 10
 # honest peers were "flooding" each other: each GRAFT refused, penalised and answered with a PRUNE that
 # restarted the cycle (~2.5 GRAFT/PRUNE per second per node in an idle 16-node swarm).
 GOSSIP_GRAFT_FLOOD_THRESHOLD = GOSSIP_PRUNE_BACKOFF - 2.0
-GOSSIP_HEARTBEAT_SETTLED = 5.0
 """Gossipsub heartbeat once every mesh is settled: its lazy IHAVE gossip, not publishing, waits on it."""
 PROVIDER_LOOKUP_COUNT = 40  # ask for twice a store's worth, so a crowd of one group does not fill the answer
 
@@ -485,19 +484,15 @@ def _short(exc: BaseException) -> str:
 
 
 def _gossipsub(heartbeat_interval: int) -> Any:
-    """The router: heartbeats every ``heartbeat_interval`` s while a mesh forms or is repaired, every
-    ``GOSSIP_HEARTBEAT_SETTLED`` s once settled (prime_node/p2p/gossip_router.py)."""
     from libp2p.custom_types import TProtocol
+    from libp2p.pubsub.gossipsub import GossipSub
 
-    from prime_node.p2p.gossip_router import SettlingGossipSub
-
-    router = SettlingGossipSub(
-        fast=heartbeat_interval,
-        settled=max(GOSSIP_HEARTBEAT_SETTLED, heartbeat_interval),
+    router = GossipSub(
         protocols=[TProtocol(GOSSIPSUB_PROTOCOL)],
         degree=6,
         degree_low=4,
         degree_high=12,
+        heartbeat_interval=heartbeat_interval,
         prune_back_off=GOSSIP_PRUNE_BACKOFF,
         max_messages_per_topic_per_second=1000.0,
         # Its "v2.0" extras measure IP diversity and adapt degrees; with peers that share an IP (one machine,
@@ -509,9 +504,8 @@ def _gossipsub(heartbeat_interval: int) -> Any:
     # Its peer scorer with default parameters scores every peer 0 and gates nothing (thresholds -inf,
     # weights 0); what it does do is "opportunistic grafting" on every heartbeat: 2 more peers per topic
     # whenever they score >= half the mesh median (0 >= 0), so meshes grow past degree_high each few
-    # seconds and are pruned back: endless GRAFT/PRUNE traffic in an idle swarm, over half of an idle
-    # node's CPU without heartbeats. Misbehaviour is scored by our own peer policy; with no scorer its
-    # mesh upkeep is the plain gossipsub one (graft below degree_low, prune above degree_high).
+    # seconds and are pruned back: endless GRAFT/PRUNE traffic in an idle swarm. Misbehaviour is scored by
+    # our own peer policy; with no scorer its mesh upkeep is the plain gossipsub one.
     router.scorer = None
     return router
 

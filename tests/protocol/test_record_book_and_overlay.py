@@ -158,6 +158,12 @@ def test_overlay_opens_up_to_degree_accepts_up_to_max_and_remembers_refusals() -
     again = overlay.choose(["a", "b", "c", "d"], 1.0, rng)
     assert chosen[0] not in again and chosen[1] not in again  # refused recently / already linked
     assert chosen[0] in overlay.choose([chosen[0]], 31.0, rng)  # the refusal is forgotten after a while
+    overlay.refused("gone", 40.0, answered=False)  # no answer: retried soon, then less and less often
+    assert "gone" not in overlay.choose(["gone"], 41.0, rng) and "gone" in overlay.choose(["gone"], 42.0, rng)
+    overlay.opening.discard("gone")
+    overlay.refused("gone", 42.0, answered=False)
+    assert "gone" not in overlay.choose(["gone"], 45.0, rng) and "gone" in overlay.choose(["gone"], 46.0, rng)
+    overlay.opening.clear()
     overlay.links.update({"x", "y"})
     assert not overlay.accepts("z") and overlay.accepts("x") and not overlay.accepts("me")
 
