@@ -97,8 +97,10 @@ async def test_a_rollout_batch_moves_over_a_real_libp2p_stream_when_its_port_ref
     frame = bytes(range(256)) * (40 << 10)  # 10 MiB: several chunks
     with trio.fail_after(60):
         async with (
-            open_libp2p_host(worker_key) as worker_host,
-            open_libp2p_host(fetcher_key) as fetcher_host,
+            # No hole punching: on loopback DCUtR would soon upgrade the relayed connection to a direct one
+            # (racing the fetch), and this test is about bytes on a connection that stays relayed.
+            open_libp2p_host(worker_key, hole_punching=False) as worker_host,
+            open_libp2p_host(fetcher_key, hole_punching=False) as fetcher_host,
         ):
             await fetcher_host.connect(worker_host.listen_multiaddrs()[0])
             worker = BatchTransfer(worker_key, host_of=lambda _: None, host=LOCAL, p2p=worker_host)
@@ -133,8 +135,10 @@ async def test_bytes_on_a_relayed_libp2p_connection_count_as_relayed(allowed: bo
     with trio.fail_after(60):
         async with (
             open_libp2p_host(WalletKey.generate(), relay_service=True) as relay,
-            open_libp2p_host(worker_key) as worker_host,
-            open_libp2p_host(fetcher_key) as fetcher_host,
+            # No hole punching: on loopback DCUtR would soon upgrade the relayed connection to a direct one
+            # (racing the fetch), and this test is about bytes on a connection that stays relayed.
+            open_libp2p_host(worker_key, hole_punching=False) as worker_host,
+            open_libp2p_host(fetcher_key, hole_punching=False) as fetcher_host,
         ):
             for home in (worker_host, fetcher_host):
                 await home.connect(relay.listen_multiaddrs()[0])
