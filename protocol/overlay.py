@@ -24,7 +24,7 @@ from enum import StrEnum
 from typing import Annotated
 
 from protocol.codec import IntRange, MaxLen, Message, message
-from protocol.errors import LocalProtocolError
+from protocol.errors import InvariantError, LocalProtocolError
 from protocol.record_book import MAX_RECORDS_PER_FRAME
 
 MAX_RECORD_ENVELOPE = 6144
@@ -53,8 +53,6 @@ class NeighbourFrame(Message):
 
     def __post_init__(self) -> None:
         if self.kind not in FrameKind.__members__.values():
-            from protocol.errors import InvariantError
-
             raise InvariantError(
                 f"unknown neighbour frame kind {self.kind[:8]!r}", reason="bad_neighbour_frame"
             )
