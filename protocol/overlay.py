@@ -76,14 +76,23 @@ class Overlay:
     config: OverlayConfig = field(default_factory=OverlayConfig)
     links: set[str] = field(default_factory=set)
     opening: set[str] = field(default_factory=set)
+    """Peers we sent a hello to and await an answer from."""
+    accepting: set[str] = field(default_factory=set)
+    """Peers whose hello we accepted while our welcome goes out (their slot is held meanwhile)."""
     refused_by: dict[str, float] = field(default_factory=dict)
     """peer ID -> until when it is not asked again (it refused us, or could not be reached)."""
     failures: dict[str, int] = field(default_factory=dict)
     """peer ID -> attempts in a row that failed without an answer (their pause doubles)."""
 
+    def slots(self) -> set[str]:
+        """Peers holding a slot: linked, or a link to them is being opened or accepted. Every path to a
+        link reserves its slot first, so links never outnumber ``max_degree``, even when an outbound
+        attempt to a peer is refused while that peer's own hello to us is being accepted."""
+        return self.links | self.opening | self.accepting
+
     def wanted(self) -> int:
         """How many more links to open now."""
-        return max(0, self.config.degree - len(self.links) - len(self.opening))
+        return max(0, self.config.degree - len(self.slots()))
 
     def choose(self, healthy: Iterable[str], now: float, rng: random.Random) -> list[str]:
         """Random healthy peers to open links to (not linked, not being opened, not recently refusing)."""
@@ -96,6 +105,7 @@ class Overlay:
             if p != self.own_peer_id
             and p not in self.links
             and p not in self.opening
+            and p not in self.accepting
             and p not in self.refused_by
         )
         return rng.sample(candidates, min(self.wanted(), len(candidates)))
@@ -104,11 +114,12 @@ class Overlay:
         """Take a link a peer opened to us? (Links we are opening count: they may all succeed.)"""
         if peer_id == self.own_peer_id:
             return False
-        return peer_id in self.links or len(self.links) + len(self.opening) < self.config.max_degree
+        slots = self.slots()
+        return peer_id in slots or len(slots) < self.config.max_degree
 
     def room_for(self, peer_id: str) -> bool:
         """May a link we opened, now accepted, stand? (Inbound links may have filled us meanwhile.)"""
-        return peer_id in self.links or len(self.links) < self.config.max_degree
+        return peer_id in self.links or len(self.slots() - {peer_id}) < self.config.max_degree
 
     def refused(self, peer_id: str, now: float, *, answered: bool = True) -> None:
         """``peer_id`` said busy (``answered``: not asked again for ``REFUSAL_MEMORY`` s), or the attempt
@@ -126,13 +137,15 @@ class Overlay:
         while len(self.failures) > 4 * self.config.max_degree:
             del self.failures[next(iter(self.failures))]
 
-    def linked(self, peer_id: str) -> None:
-        self.opening.discard(peer_id)
+    def linked(self, peer_id: str, *, inbound: bool) -> None:
+        """A link stands; it takes over the slot its own attempt held (``inbound``: our welcome, else our
+        hello). An attempt the other way to the same peer keeps its slot until it ends on its own."""
+        (self.accepting if inbound else self.opening).discard(peer_id)
         self.failures.pop(peer_id, None)
         self.links.add(peer_id)
 
     def unlinked(self, peer_id: str) -> None:
-        self.opening.discard(peer_id)
+        """A link ended (an attempt still under way to the same peer keeps its own slot)."""
         self.links.discard(peer_id)
 
 

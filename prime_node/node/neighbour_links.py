@@ -157,7 +157,7 @@ class NeighbourLinks:
             with trio.move_on_after(1):
                 await stream.close()
             return
-        await self._run_link(peer_id, stream, answer)
+        await self._run_link(peer_id, stream, answer, inbound=False)
 
     async def _serve(self, stream: FramedStream) -> None:
         peer_id = stream.remote_peer_id
@@ -179,36 +179,35 @@ class NeighbourLinks:
                 await stream.send_frame(self._frame(FrameKind.BUSY, sample))
                 await stream.close()
             return
-        reserved = peer_id not in self.overlay.opening and peer_id not in self._links
-        if reserved:
-            self.overlay.opening.add(peer_id)  # hold the slot while the welcome goes out
+        self.overlay.accepting.add(peer_id)  # hold the slot while the welcome goes out
         try:
             with trio.fail_after(SEND_TIMEOUT):
                 await stream.send_frame(self._frame(FrameKind.WELCOME, self._own()))
         except (NodeError, trio.TooSlowError):
-            if reserved:
-                self.overlay.opening.discard(peer_id)
+            self.overlay.accepting.discard(peer_id)
             return
-        await self._run_link(peer_id, stream, hello)
+        await self._run_link(peer_id, stream, hello, inbound=True)
 
     def _accepts(self, peer_id: str) -> bool:
         """Take an inbound link? Of two links a pair opened at once, the one the smaller peer ID opened
         stays (both ends apply the same rule, so exactly one survives)."""
         if self.policy.is_banned(peer_id):
             return False
-        if peer_id in self._links or peer_id in self.overlay.opening:
+        if peer_id in self._links or peer_id in self.overlay.opening or peer_id in self.overlay.accepting:
             return peer_id < self.own_peer_id
         return self.overlay.accepts(peer_id)
 
     # -- one link ----------------------------------------------------------------------------------------
 
-    async def _run_link(self, peer_id: str, stream: FramedStream, first: NeighbourFrame) -> None:
+    async def _run_link(
+        self, peer_id: str, stream: FramedStream, first: NeighbourFrame, *, inbound: bool
+    ) -> None:
         old = self._links.get(peer_id)
         if old is not None:
             old.scope.cancel()
         link = _Link(peer_id, stream)
         self._links[peer_id] = link
-        self.overlay.linked(peer_id)
+        self.overlay.linked(peer_id, inbound=inbound)
         self.book.link_up(peer_id, self.rng)
         self._beat_from(peer_id, first)
         self.metrics.event(self.clock.uptime(), "neighbour", f"linked {peer_id[-8:]}")

@@ -202,10 +202,10 @@ class MembershipSimulation:
                     self.believed, min(BUSY_SAMPLE, len(self.believed))
                 )
             return
-        theirs.linked(opener)
+        theirs.linked(opener, inbound=True)
         self.knows_all.update((opener, target))  # link_up: each sends the other its whole table
         if mine.room_for(target):
-            mine.linked(target)
+            mine.linked(target, inbound=False)
         else:
             self.byes += 1
             theirs.unlinked(opener)

@@ -153,7 +153,7 @@ def test_overlay_opens_up_to_degree_accepts_up_to_max_and_remembers_refusals() -
     overlay.opening.update(chosen)
     assert overlay.wanted() == 0
     overlay.refused(chosen[0], 0.0)
-    overlay.linked(chosen[1])
+    overlay.linked(chosen[1], inbound=False)
     assert overlay.wanted() == 1
     again = overlay.choose(["a", "b", "c", "d"], 1.0, rng)
     assert chosen[0] not in again and chosen[1] not in again  # refused recently / already linked
@@ -166,6 +166,97 @@ def test_overlay_opens_up_to_degree_accepts_up_to_max_and_remembers_refusals() -
     overlay.opening.clear()
     overlay.links.update({"x", "y"})
     assert not overlay.accepts("z") and overlay.accepts("x") and not overlay.accepts("me")
+
+
+def test_a_refused_attempt_does_not_free_the_slot_of_the_same_peers_hello_being_accepted() -> None:
+    """The race CI met (9 links, maximum 8): we open to p while p's hello to us is being accepted; p
+    answers our hello busy (it keeps the link it opened), and other hellos arrive before our welcome is
+    out. The acceptance still holds its slot, so the others find us full."""
+    overlay = Overlay("me", OverlayConfig(degree=1, max_degree=2))
+    overlay.opening.add("p")
+    assert overlay.accepts("p")  # p's hello: the same peer, the same slot
+    overlay.accepting.add("p")
+    overlay.refused("p", 0.0)  # our hello to p: busy
+    assert overlay.accepts("a")
+    overlay.linked("a", inbound=True)
+    assert not overlay.accepts("b")
+    overlay.linked("p", inbound=True)  # our welcome to p went out
+    assert overlay.links == {"a", "p"}
+
+
+OVERLAY_PEERS = [f"q{i}" for i in range(5)]
+
+
+class OverlayMachine(RuleBasedStateMachine):
+    """Drives one node's overlay the way NeighbourLinks does, with every interleaving of its own attempts,
+    others' hellos and links ending: links never outnumber ``max_degree``. (CI once saw 9 links with a
+    maximum of 8: our attempt to a peer was refused while that peer's own hello was being accepted, and
+    the refusal freed the slot the acceptance was holding.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.overlay = Overlay("me", OverlayConfig(degree=2, max_degree=3))
+        self.rng = random.Random(0)
+        self.now = 0.0
+        self.welcoming: set[str] = set()
+        """Hellos we accepted whose welcome is under way (the link stands once it is sent, whatever the
+        overlay's state then)."""
+
+    @rule()
+    def open_links(self) -> None:
+        for peer_id in self.overlay.choose(OVERLAY_PEERS, self.now, self.rng):
+            self.overlay.opening.add(peer_id)
+
+    @rule(peer_id=st.sampled_from(OVERLAY_PEERS), welcomed=st.booleans())
+    def our_attempt_answered(self, peer_id: str, welcomed: bool) -> None:
+        if peer_id not in self.overlay.opening:
+            return
+        if welcomed and self.overlay.room_for(peer_id):
+            self.overlay.linked(peer_id, inbound=False)
+        else:
+            self.overlay.refused(peer_id, self.now, answered=welcomed or self.rng.random() < 0.5)
+
+    @rule(peer_id=st.sampled_from(OVERLAY_PEERS))
+    def their_hello(self, peer_id: str) -> None:
+        if peer_id not in self.welcoming and self.overlay.accepts(peer_id):
+            self.overlay.accepting.add(peer_id)
+            self.welcoming.add(peer_id)
+
+    @rule(peer_id=st.sampled_from(OVERLAY_PEERS), sent=st.booleans())
+    def our_welcome_done(self, peer_id: str, sent: bool) -> None:
+        if peer_id not in self.welcoming:
+            return
+        self.welcoming.discard(peer_id)
+        if sent:
+            self.overlay.linked(peer_id, inbound=True)
+        else:
+            self.overlay.accepting.discard(peer_id)
+
+    @rule()
+    def everyone_says_hello(self) -> None:
+        """A burst of inbound links (what fills a node in a swarm larger than its degree)."""
+        for peer_id in OVERLAY_PEERS:
+            if peer_id not in self.welcoming and self.overlay.accepts(peer_id):
+                self.overlay.linked(peer_id, inbound=True)
+
+    @rule(peer_id=st.sampled_from(OVERLAY_PEERS))
+    def link_ends(self, peer_id: str) -> None:
+        if peer_id in self.overlay.links:
+            self.overlay.unlinked(peer_id)
+
+    @rule(dt=st.floats(0, 40))
+    def time_passes(self, dt: float) -> None:
+        self.now += dt
+
+    @invariant()
+    def bounded(self) -> None:
+        assert self.welcoming <= self.overlay.slots()  # every acceptance under way holds its slot
+        assert len(self.overlay.slots()) <= self.overlay.config.max_degree
+        assert len(self.overlay.links) <= self.overlay.config.max_degree
+
+
+TestOverlay = OverlayMachine.TestCase
+TestOverlay.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 
 
 @given(st.lists(st.binary(max_size=64), max_size=MAX_RECORDS_PER_FRAME), st.sampled_from(list(FrameKind)))
