@@ -71,7 +71,7 @@ def _counting_dcutr(host: Any, stats: HolePunchStats) -> Any:
             """py-libp2p's step 0 (a plain dial to the peer's known addresses) with a short deadline: a
             NAT'd peer's private addresses fail only after the 10 s dial timeout, which would delay the
             hole punch that follows by as much."""
-            addrs = [a for a in self.host.get_peerstore().addrs(peer_id) if "/p2p-circuit" not in str(a)]
+            addrs = [a for a in peerstore_addrs(self.host, peer_id) if "/p2p-circuit" not in str(a)]
             if not addrs:
                 return False
             with trio.move_on_after(UNILATERAL_DIAL_TIMEOUT):
@@ -161,9 +161,21 @@ async def reserve(host: Any, parts: RelayParts, relay_peer_id: str, nursery: tri
     return address
 
 
+def peerstore_addrs(host: Any, peer_id: Any) -> list[Any]:
+    """The peerstore's addresses of ``peer_id``; none once they expired (py-libp2p raises then, which
+    must not end the node: a home node's record is built from its relay's addresses every heartbeat)."""
+    from libp2p.peer.peerstore import PeerStoreError
+
+    try:
+        return list(host.get_peerstore().addrs(peer_id))
+    except PeerStoreError:
+        return []
+
+
 def relayed_addrs(host: Any, parts: RelayParts) -> list[str]:
     """Our relayed multiaddrs with the relay's own transport address in front (dialable by anyone who
-    can reach the relay), for reservations whose relay is still connected."""
+    can reach the relay), for reservations whose relay is still connected. The relay's address is the
+    one our connection to it runs on, else the peerstore's."""
     from libp2p.peer.id import ID
 
     out: list[str] = []
@@ -173,7 +185,8 @@ def relayed_addrs(host: Any, parts: RelayParts) -> list[str]:
         if not conns:
             parts.reservations.pop(relay_peer_id, None)
             continue
-        known = {str(a).split("/p2p/")[0] for a in host.get_peerstore().addrs(relay)}
+        seen = [a for conn in conns for a in conn.get_transport_addresses()] + peerstore_addrs(host, relay)
+        known = {str(a).split("/p2p/")[0] for a in seen}
         usable = {a for a in known if "/p2p-circuit" not in a and a and not a.startswith("/ip4/0.0.0.0/")}
         routable = {a for a in usable if not a.startswith("/ip4/127.")} or usable
         out.extend(f"{prefix}{address}" for prefix in sorted(routable)[:2])

@@ -428,6 +428,7 @@ class SwarmService:
             "delta_bytes_in": self.delta_bytes_in,
             "bad_deltas": self.bad_deltas,
             "fallback_peers": sum(link.fallback for link in self.dataplane.links.values()),
+            "by_peer": self.dataplane.traffic.status(),
             **self.dataplane.stats.status(),
         }
 

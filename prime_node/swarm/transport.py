@@ -45,6 +45,7 @@ from prime_node.dataplane.dialer import ChannelDialer, DialTarget
 from prime_node.dataplane.libp2p_stream import FallbackServer, P2PStream, RouteStats, fallback_protocol
 from prime_node.dataplane.streams import TCP, StreamTransport
 from prime_node.p2p.interface import P2PHost
+from prime_node.swarm.peer_traffic import PeerTraffic, Route
 from protocol.dataplane import FrameDeadlines
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Link:
     dialer: Address
     fallback: bool = False
     """The channel runs over a libp2p stream (the peer's TCP port did not reach it)."""
+    route: Route = Route.TCP
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     queue: deque[bytes] = field(default_factory=deque)
     queued_bytes: int = 0
@@ -110,6 +112,7 @@ class DataPlane:
         self.bytes_in = 0
         self.bytes_out = 0
         self.stats = RouteStats()
+        self.traffic = PeerTraffic()
         self.dialer = ChannelDialer(
             key,
             transport=transport,
@@ -254,6 +257,7 @@ class DataPlane:
                     try:
                         async for frame in channel:
                             self.bytes_in += len(frame)
+                            self.traffic.add(peer, link.route, bytes_in=len(frame))
                             self.on_frame(peer, frame)
                             if not link.alive:
                                 break
@@ -278,7 +282,10 @@ class DataPlane:
             if rank >= (existing.fallback, existing.dialer.raw != preferred):
                 return None  # keep the channel we have
             self._drop(existing)
-        link = Link(peer, channel, dialer, fallback)
+        route = Route.TCP
+        if isinstance(channel.stream, P2PStream):
+            route = Route.RELAYED if channel.stream.relayed else Route.LIBP2P
+        link = Link(peer, channel, dialer, fallback, route)
         channel.on_evict = lambda: self._drop(
             link
         )  # evicted by the budget (logged there): free the queue now
@@ -312,6 +319,7 @@ class DataPlane:
                 await link.channel.send_frames(batch)
                 size = sum(len(frame) for frame in batch)
                 self.bytes_out += size
+                self.traffic.add(link.peer, link.route, bytes_out=size)
                 if not link.alive:  # dropped meanwhile: the queue is already cleared and released
                     break
                 for _ in batch:

@@ -50,6 +50,9 @@ class NatLab:
 
     random_ports: bool = False
     prefix: str = ""
+    public_uplink_mbit: int | None = None
+    """Cap what the public peer sends (``tc`` token bucket on its link), as a trainer's upload is small
+    next to a whole swarm's: downloaders must then trade pieces among themselves."""
 
     def __post_init__(self) -> None:
         self.prefix = self.prefix or f"{PREFIX}-{os.getpid()}"
@@ -60,7 +63,7 @@ class NatLab:
         """None if a lab can be built here, else why not."""
         if os.geteuid() != 0:
             return "needs root"
-        for tool in ("ip", "iptables"):
+        for tool in ("ip", "iptables", "tc"):
             if shutil.which(tool) is None:
                 return f"{tool} is not installed"
         if _run(["ip", "netns", "list"], check=False).returncode != 0:
@@ -96,6 +99,24 @@ class NatLab:
         self._in("hub", "ip", "link", "add", "br0", "type", "bridge")
         self._in("hub", "ip", "link", "set", "br0", "up")
         self._link("pub", "eth0", "hub", "p-pub", f"{PUBLIC_IP}/24", bridge=True)
+        if self.public_uplink_mbit is not None:
+            rate = f"{self.public_uplink_mbit}mbit"
+            self._in(
+                "pub",
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "eth0",
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "64kb",
+                "latency",
+                "400ms",
+            )
         for side in ("a", "b"):
             router, home = f"r{side}", f"h{side}"
             lan_net = "1" if side == "a" else "2"

@@ -86,7 +86,9 @@ def _wait(predicate: Any, timeout: float, peers: list[Peer], what: str) -> None:
     raise AssertionError(f"{what} not within {timeout} s\n{tails}")
 
 
-def _home(lab: NatLab, side: str, boot: str, tmp_path: Path, echo: str = "--echo") -> Peer:
+def _home(
+    lab: NatLab, side: str, boot: str, tmp_path: Path, echo: str = "--echo", extra: tuple[str, ...] = ()
+) -> Peer:
     argv = [
         *lab.exec_prefix(f"h{side}"),
         PYTHON,
@@ -99,6 +101,7 @@ def _home(lab: NatLab, side: str, boot: str, tmp_path: Path, echo: str = "--echo
         "--data-dir",
         str(tmp_path / f"home_{side}"),
         echo,
+        *extra,
         *(["--libp2p-debug"] if os.environ.get("NAT_TEST_DEBUG") else []),
     ]
     return Peer(argv, tmp_path / f"home_{side}.log")
@@ -159,11 +162,11 @@ def _echoed(home: Peer) -> bool:
     return any(v.get("ok") for v in home.latest().get("echo", {}).values())
 
 
-def _lab_or_skip(random_ports: bool) -> NatLab:
+def _lab_or_skip(random_ports: bool, public_uplink_mbit: int | None = None) -> NatLab:
     why_not = NatLab.available()
     if why_not is not None:
         pytest.skip(f"network namespaces: {why_not}")
-    return NatLab(random_ports=random_ports)
+    return NatLab(random_ports=random_ports, public_uplink_mbit=public_uplink_mbit)
 
 
 def test_two_homes_behind_nat_meet_through_a_relay_and_hole_punch_to_direct(tmp_path: Path) -> None:
@@ -236,6 +239,67 @@ def test_behind_port_randomising_nats_punching_fails_and_the_relay_carries_the_l
                 assert reach["hole_punches_ok"] == 0, reach
                 assert reach["relayed_connections"] == 1 and reach["direct_connections"] == 1, reach
             print("NAT --random summary:", json.dumps([_reach(h) for h in homes]))
+        finally:
+            for peer in peers:
+                peer.stop()
+
+
+def test_two_homes_behind_nat_trade_checkpoint_pieces_directly_after_hole_punching(tmp_path: Path) -> None:
+    """The trainer (public, super-seeding, its upload capped at 40 Mbit/s as a trainer's upload is small
+    next to the swarm's) shows each home different pieces of a 16 MiB checkpoint, so the homes trade;
+    they do, over their hole-punched connection, and no piece byte rides the relay."""
+    peers: list[Peer] = []
+    with _lab_or_skip(random_ports=False, public_uplink_mbit=40) as lab:
+        try:
+            origin = Peer(
+                [
+                    *lab.exec_prefix("pub"),
+                    PYTHON,
+                    "-m",
+                    "prime_node.testing.nat_peer",
+                    "--listen",
+                    f"/ip4/{PUBLIC_IP}/tcp/4001",
+                    "--data-dir",
+                    str(tmp_path / "origin"),
+                    "--share-mib",
+                    "16",
+                    "--every",
+                    "1",
+                ],
+                tmp_path / "origin.log",
+            )
+            peers.append(origin)
+            _wait(lambda: "shared" in origin.latest().get("swarm", {}), 60, peers, "checkpoint shared")
+            identity = origin.identity()
+            assert identity is not None
+            boot = str(next(a for a in identity["multiaddrs"] if PUBLIC_IP in a))
+            fetch = ("--fetch", origin.latest()["swarm"]["shared"], "--trainer", identity["address"])
+            homes = [_home(lab, side, boot, tmp_path, "--echo", fetch) for side in ("a", "b")]
+            peers += homes
+            _wait(
+                lambda: all("fetch_s" in h.latest().get("swarm", {}) for h in homes),
+                DEADLINE,
+                peers,
+                "both homes fetched the checkpoint",
+            )
+            swarms = [h.latest()["swarm"] for h in homes]
+            addresses = [str(h.identity()["address"]) for h in homes]  # type: ignore[index]
+            by_route: dict[str, int] = {}
+            for swarm in swarms:
+                for entry in swarm["by_peer"].values():
+                    by_route[entry["route"]] = by_route.get(entry["route"], 0) + entry["in"]
+            traded = [swarms[0]["by_peer"].get(addresses[1]), swarms[1]["by_peer"].get(addresses[0])]
+            summary = {
+                "fetch_s": [s["fetch_s"] for s in swarms],
+                "dataplane_bytes_in_by_route": by_route,
+                "relayed_share": round(by_route.get("relayed", 0) / sum(by_route.values()), 4),
+                "home_to_home": traded,
+                "time_to_direct_s": [_reach(h).get("time_to_direct_s") for h in homes],
+            }
+            print("NAT trade summary:", json.dumps(summary))
+            for entry in traded:  # at least four 256 KiB pieces each way, over the direct libp2p connection
+                assert entry is not None and entry["in"] >= 1 << 20 and entry["route"] == "libp2p", summary
+            assert summary["relayed_share"] <= 0.05, summary
         finally:
             for peer in peers:
                 peer.stop()

@@ -89,6 +89,11 @@ async def test_a_checkpoint_moves_byte_identical_between_two_unreachable_peers(t
             assert fetched["dataplane_fallback_bytes_in"] >= manifest.total_size
             assert served["dataplane_fallback_bytes_out"] >= manifest.total_size
             assert fetched["dataplane_relayed_bytes"] == 0  # a direct libp2p connection on 127.0.0.1
+            # Per peer and route: every piece byte came from the trainer over the libp2p fallback.
+            from_trainer = fetched["by_peer"][str(trainer_key.address)]
+            to_fetcher = served["by_peer"][str(fetcher_key.address)]
+            assert from_trainer["route"] == to_fetcher["route"] == "libp2p"
+            assert from_trainer["in"] >= manifest.total_size and to_fetcher["out"] >= manifest.total_size
             nursery.cancel_scope.cancel()
 
 
