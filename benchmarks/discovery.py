@@ -22,6 +22,7 @@ neighbours (8 by default), so heartbeat traffic per node should not grow with N;
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import re
@@ -93,7 +94,7 @@ def _snapshot(data_dir: Path) -> dict[str, Any]:
             with urllib.request.urlopen(api + "/status", timeout=10) as response:
                 data: dict[str, Any] = json.loads(response.read())
                 return data
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as exc:
             if attempt == 19:
                 tail = (data_dir / "stderr.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{data_dir.name} has no status API ({exc}):\n{tail}") from exc

@@ -132,7 +132,8 @@ class Membership(Generic[R]):
         return self._settle(member, now)
 
     def unlinked(self, peer_id: str, now: float) -> list[StateChanged]:
-        """The peer closed our direct link on purpose (it trimmed its neighbours): judge it by records."""
+        """Our direct link to the peer ended while the peer is known alive (it said ``bye``, or answered
+        a hello after the link was lost): judge it by records."""
         member = self._members.get(peer_id)
         if member is None or member.last_beat is None:
             return []

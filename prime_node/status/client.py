@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -40,7 +41,9 @@ def fetch_snapshot(url: str, timeout: float = 5.0) -> dict[str, Any]:
     try:
         with urllib.request.urlopen(url + "/status", timeout=timeout) as response:
             body = response.read(MAX_SNAPSHOT_BYTES + 1)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+        # HTTPException: a response cut short (IncompleteRead) or malformed, e.g. a node too busy to
+        # finish writing its status within its request timeout.
         reason = getattr(exc, "reason", exc)
         raise NodeError(f"cannot reach the status API at {url}: {reason}", reason="api_unreachable") from None
     try:

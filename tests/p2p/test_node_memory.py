@@ -129,3 +129,73 @@ async def test_a_swarm_larger_than_the_degree_keeps_bounded_links_and_still_sees
             timeout=200,
         )
         nursery.cancel_scope.cancel()
+
+
+async def test_a_link_lost_without_a_bye_is_asked_again_and_the_live_peer_stays_healthy(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """A link can end while both peers live (a replaced connection, a send that timed out under load).
+    The peer that lost it sends one hello: the link comes back, and the peer never looks unhealthy
+    (judged by its last beat it would be unhealthy 3 intervals later, until its next record). Both have
+    refused each other recently, so choosing neighbours (``maintain``) would not relink them."""
+    network = MemoryNetwork()
+    async with trio.open_nursery() as nursery:
+        first, _ = await start_node(nursery, network.host, make_config(tmp_path, 0), serve_api=False)
+        second, _ = await start_node(
+            nursery,
+            network.host,
+            make_config(tmp_path, 1, bootstrap=(first.host.listen_multiaddrs()[0],)),
+            serve_api=False,
+        )
+        pair = [first, second]
+        await wait_until(lambda: all(len(n.links.neighbours()) == 1 for n in pair), timeout=30)
+        for node, other in ((first, second), (second, first)):  # neither would choose the other again
+            node.links.overlay.refused_by[other.identity.peer_id] = trio.current_time() + 3600
+        lost = first.links._links[second.identity.peer_id]
+        await lost.stream.reset()  # no bye: to both ends the link just breaks
+        for _ in range(8):  # 8 intervals: past the 3 after which a silent neighbour is unhealthy
+            await trio.sleep(first.config.heartbeat_interval)
+            assert all(sees_all(n, pair) for n in pair)
+        assert all(len(n.links.neighbours()) == 1 for n in pair)
+        assert first.links._links[second.identity.peer_id] is not lost  # a new link
+        assert (
+            first.metrics.counters["neighbour_rechecks"] + second.metrics.counters["neighbour_rechecks"] >= 1
+        )
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_link_that_carries_nothing_is_closed_and_the_peer_asked_again(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """A stream whose connection died under it may neither deliver nor fail (seen with 32 processes:
+    links that carried one frame and then nothing, so live peers turned unhealthy and dead). After 3
+    silent intervals the link is closed, its connection too, and the peer asked again."""
+    network = MemoryNetwork()
+    async with trio.open_nursery() as nursery:
+        first, _ = await start_node(nursery, network.host, make_config(tmp_path, 0), serve_api=False)
+        second, _ = await start_node(
+            nursery,
+            network.host,
+            make_config(tmp_path, 1, bootstrap=(first.host.listen_multiaddrs()[0],)),
+            serve_api=False,
+        )
+        pair = [first, second]
+        await wait_until(lambda: all(len(n.links.neighbours()) == 1 for n in pair), timeout=30)
+        mute = second.links._links[first.identity.peer_id]
+
+        async def swallow(data: bytes) -> None:
+            await trio.lowlevel.checkpoint()
+
+        mute.stream.send_frame = swallow  # type: ignore[method-assign]  # frames to first go nowhere
+        interval = first.config.heartbeat_interval
+        await trio.sleep(4 * interval)
+        assert first.metrics.counters["neighbour_links_silent"] >= 1
+        await wait_until(
+            lambda: all(len(n.links.neighbours()) == 1 and sees_all(n, pair) for n in pair),
+            timeout=5 * interval,
+        )
+        assert second.links._links[first.identity.peer_id] is not mute
+        for _ in range(6):  # the new link carries beats: healthy from now on
+            await trio.sleep(interval)
+            assert all(sees_all(n, pair) for n in pair)
+        nursery.cancel_scope.cancel()
