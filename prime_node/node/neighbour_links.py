@@ -249,9 +249,13 @@ class NeighbourLinks:
         slots = self.overlay.slots()
         if peer_id in slots or len(slots) >= self.overlay.config.max_degree or self.policy.is_banned(peer_id):
             return
-        self.metrics.count("neighbour_rechecks")
         self.overlay.opening.add(peer_id)
-        self.core.nursery.start_soon(self._reopen, peer_id, fresh_connection)
+        try:
+            self.core.nursery.start_soon(self._reopen, peer_id, fresh_connection)
+        except RuntimeError:  # the node is stopping: its nursery takes no new tasks
+            self.overlay.opening.discard(peer_id)
+            return
+        self.metrics.count("neighbour_rechecks")
 
     async def _reopen(self, peer_id: str, fresh_connection: bool) -> None:
         if fresh_connection:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from prime_node.assets import copy_demo_model
 from prime_node.demo.setup import (
     DemoPlan,
     NodeSpec,
@@ -91,8 +92,6 @@ class NatSwarm:
             self.stop()
 
     def _plan(self) -> DemoPlan:
-        from prime_node.assets import copy_demo_model
-
         model_dir = self.workdir / "model"
         copy_demo_model(model_dir)
         nodes = create_wallets(self.workdir, inferers=2, validators=1, adversary=None)

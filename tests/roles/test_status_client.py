@@ -36,7 +36,7 @@ def _serve_once(response: bytes) -> Iterator[str]:
     ("response", "reason"),
     [
         # A node too busy to finish writing its status (seen with 32 nodes on 2 cores): a cut-short body.
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 39280\r\n\r\n{\"peers\": [", "api_bad_response"),
+        (b'HTTP/1.1 200 OK\r\nContent-Length: 39280\r\n\r\n{"peers": [', "api_bad_response"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello", "api_bad_response"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]", "api_bad_response"),
         (b"garbage that is not HTTP\r\n\r\n", "api_unreachable"),  # http.client's BadStatusLine
