@@ -49,8 +49,6 @@ SEND_TIMEOUT = 10.0
 FRAMES_PER_SECOND = 8
 """Frames one link sends per second at most (a full-table sync is paced under peers' flood limit)."""
 DIAL_YIELD_DELAY = 1.0
-SILENT_LINK_INTERVALS = 3
-"""A link that carried no frame for this many heartbeat intervals is closed and its peer asked again."""
 URGENT_DELAY = 0.05
 """A record of a peer we never heard of is passed on after this pause (others from the same burst join it)."""
 
@@ -63,8 +61,6 @@ class _Link:
     stream: FramedStream
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     wake: trio.Event = field(default_factory=trio.Event)
-    silent: bool = False
-    """The link ended because nothing arrived for ``SILENT_LINK_INTERVALS`` intervals."""
 
 
 class NeighbourLinks:
@@ -234,34 +230,26 @@ class NeighbourLinks:
                 if said_bye:
                     self.on_changes(self.membership.unlinked(peer_id, self.clock.now()))
                 else:
-                    self._ask_again(peer_id, fresh_connection=link.silent)
+                    self._ask_again(peer_id)
             with trio.CancelScope(shield=True), trio.move_on_after(1), contextlib.suppress(NodeError):
                 await stream.reset()
 
-    def _ask_again(self, peer_id: str, *, fresh_connection: bool) -> None:
+    def _ask_again(self, peer_id: str) -> None:
         """A link ended without a ``bye``: the peer died, or only the link did (its connection was
         replaced, a send timed out on a loaded machine). Send it one hello: a welcome links us again, a
         ``busy`` proves it alive (judged by its records from then on), and no answer leaves it judged by
         its last beat (dead 6 intervals after it). Without this a live peer looked dead until its next
-        record, up to a refresh period later. Only while a slot is free: links never pass the maximum.
-        After a silent link the connection under it is closed first (``fresh_connection``): a hello on
-        the same dead connection would go nowhere either."""
+        record, up to a refresh period later. Only while a slot is free: links never pass the maximum."""
         slots = self.overlay.slots()
         if peer_id in slots or len(slots) >= self.overlay.config.max_degree or self.policy.is_banned(peer_id):
             return
         self.overlay.opening.add(peer_id)
         try:
-            self.core.nursery.start_soon(self._reopen, peer_id, fresh_connection)
+            self.core.nursery.start_soon(self._open, peer_id)
         except RuntimeError:  # the node is stopping: its nursery takes no new tasks
             self.overlay.opening.discard(peer_id)
             return
         self.metrics.count("neighbour_rechecks")
-
-    async def _reopen(self, peer_id: str, fresh_connection: bool) -> None:
-        if fresh_connection:
-            with trio.move_on_after(ANSWER_TIMEOUT), contextlib.suppress(NodeError):
-                await self.host.disconnect(peer_id)
-        await self._open(peer_id)
 
     async def _ends_link(self, link: _Link, loop: Coroutine[Any, Any, bool | None]) -> bool:
         """Run one of a link's two loops; a failure of either (the peer hung up, a send timed out) ends the
@@ -274,25 +262,8 @@ class NeighbourLinks:
             return False
 
     async def _receive_loop(self, link: _Link) -> bool:
-        """Read frames until the link ends; True if the peer said goodbye. A link silent for
-        ``SILENT_LINK_INTERVALS`` intervals ends (then ``_ask_again``): a stream on a libp2p connection
-        that was closed under it (two peers dialled each other at once and one connection lost) may
-        neither deliver nor fail, and both ends would keep a link that carries nothing."""
-        while True:
-            raw = None
-            with trio.move_on_after(SILENT_LINK_INTERVALS * self.interval) as silence:
-                raw = await link.stream.receive_frame(MAX_NEIGHBOUR_FRAME)
-            if silence.cancelled_caught:
-                link.silent = True
-                self.metrics.count("neighbour_links_silent")
-                log.info(
-                    "link to %s carried nothing for %d intervals: asking again",
-                    link.peer_id,
-                    SILENT_LINK_INTERVALS,
-                )
-                return False
-            if raw is None:
-                return False
+        """Read frames until the link ends; True if the peer said goodbye."""
+        while (raw := await link.stream.receive_frame(MAX_NEIGHBOUR_FRAME)) is not None:
             self.metrics.count("heartbeat_frames_in", len(raw))
             if not self.policy.admit_message(link.peer_id):
                 return False
@@ -303,6 +274,7 @@ class NeighbourLinks:
                 return True
             self._take_records(link.peer_id, frame)
             self._beat_from(link.peer_id, frame)
+        return False
 
     async def _send_loop(self, link: _Link) -> None:
         next_beat = trio.current_time()
