@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from prime_node.assets import copy_demo_model
+from prime_node.demo.orchestrator import read_node_file
 from prime_node.demo.setup import (
     DemoPlan,
     NodeSpec,
@@ -241,8 +242,4 @@ class NatSwarm:
 
 
 def _node_file(node: NodeSpec) -> dict[str, Any]:
-    try:
-        document = json.loads((node.data_dir / "node.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return document if isinstance(document, dict) and document.get("state") == "running" else {}
+    return read_node_file(node) or {}
