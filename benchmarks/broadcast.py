@@ -7,13 +7,15 @@ origin.
 Prints one JSON line. ``ratio_to_bound`` = broadcast time / T*, where T* = max(F/u_s, F/d_min,
 N·F/(u_s + Σu_i)) from the configured caps (F bytes, u_s origin upload, u_i receivers' uploads, d_min the
 slowest receiver download, N receivers). Broadcast time runs from the moment the receivers are told to
-start (they are already running and listening, so interpreter start-up is not counted) to the moment the
-last receiver has verified and stored every piece. Goal: ≤ 1.15.
+start (they are already running and listening, and have settled: see ``settle``, so interpreter start-up
+is not counted) to the moment the last receiver has verified and stored every piece. Goal: ≤ 1.15.
 
 Before the broadcast the shaping itself is checked with plain TCP between two namespaces (one sender:
 its upload cap; several senders into one receiver: the download cap), and CPU use is sampled during each
 phase (machine-wide from /proc/stat, and the peers' own CPU time), so a run limited by the 2 cores rather
-than by the links says so.
+than by the links says so. After the swarm phase the same bytes (F to every receiver) cross the same links
+over plain TCP (``tcp_mesh``, ``--skip-tcp`` leaves it out): its CPU per GB delivered is what the kernel,
+veth and tc cost here, and ``cpu_ratio_to_tcp_peers``/``_machine`` say how far above that floor we are.
 
 Peers (``--impl``): ``service`` (default) runs benchmarks/broadcast_support/service_peer.py: a full node
 (libp2p host, DHT, gossip, heartbeats) with ``SwarmService``, the objects ``prime-node share``/``fetch``
@@ -78,6 +80,11 @@ READY_TIMEOUT = 120.0
 STOP_TIMEOUT = 15.0
 PROBE_SECONDS = 3.0
 IDLE_WINDOW = 3.0
+SETTLE_LIMIT = 40.0
+SETTLE_SHARE = 0.3
+"""Peers are settled once, over one second, all of them together use less than this share of the machine:
+a swarm that has just formed still passes records and finishes start-up for several seconds after every
+peer said ``ready``, and a checkpoint of a running swarm is not broadcast into that."""
 SAMPLE_INTERVAL = 0.5
 
 
@@ -256,9 +263,25 @@ class CpuSampler:
             "machine_busy_p90": round(ordered[int(0.9 * (len(ordered) - 1))], 3) if ordered else None,
             "peers_cpu_s": round(peers_cpu, 2),
             "peers_share_of_machine": round(peers_cpu / (self.wall * cores), 3),
+            "machine_cpu_s": round(self.machine_busy * self.wall * cores, 2),
             "cores": cores,
             "loadavg_1m_after": round(os.getloadavg()[0], 2),
         }
+
+
+def settle(pids: list[int]) -> float:
+    """Wait (at most SETTLE_LIMIT) until the peers together use under SETTLE_SHARE of the machine for one
+    second; the seconds waited."""
+    began = time.monotonic()
+    limit = SETTLE_SHARE * (os.cpu_count() or 1)
+    before = sum(_process_seconds(pid) for pid in pids)
+    while time.monotonic() - began < SETTLE_LIMIT:
+        time.sleep(1.0)
+        now = sum(_process_seconds(pid) for pid in pids)
+        if now - before < limit:
+            break
+        before = now
+    return time.monotonic() - began
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -466,8 +489,9 @@ def run_phase(setup: Setup, *, one_tier: bool) -> dict[str, Any]:
                 raise RuntimeError(f"{phase}: {proc.name} never became ready: {tail(log)}")
             links.append(ready[1].get("links"))
         ready_s = time.monotonic() - setup_started
-        # What the running peers cost before any piece moves (service peers: libp2p, heartbeats, gossip).
         pids = [p.popen.pid for p in procs]
+        settle_s = settle(pids)
+        # What the running peers cost before any piece moves (service peers: libp2p, heartbeats, gossip).
         idle_before = sum(_process_seconds(pid) for pid in pids)
         time.sleep(IDLE_WINDOW)
         idle_cpu_s_per_s = (sum(_process_seconds(pid) for pid in pids) - idle_before) / IDLE_WINDOW
@@ -510,11 +534,10 @@ def run_phase(setup: Setup, *, one_tier: bool) -> dict[str, Any]:
         "receivers_sent_mb": round(sum(sent[1:]) / MB, 1),
         "duplicate_share": round(max(0.0, sum(sent) / (receivers * setup.size) - 1), 3),
         "start_up_s": round(ready_s, 1),
+        "settle_s": round(settle_s, 1),
         "cpu": cpu
-        | {
-            "idle_peers_share_of_machine": round(idle_cpu_s_per_s / (os.cpu_count() or 1), 3),
-            "peers_cpu_s_per_gb_delivered": round(cpu["peers_cpu_s"] / (receivers * setup.size / 1e9), 2),
-        },
+        | {"idle_peers_share_of_machine": round(idle_cpu_s_per_s / (os.cpu_count() or 1), 3)}
+        | cpu_per_gb(cpu, receivers * setup.size),
         "peer_cpu_s_max": max((s[1].get("cpu_s", 0.0) for s in stats if s is not None), default=None),
     }
     if setup.impl == "service":
@@ -810,6 +833,61 @@ def make_torrent(checkpoint: Path, out: Path, piece_size: int) -> Path:
     return out
 
 
+TCP_MESH_SENDERS = 4
+
+
+def run_tcp_phase(setup: Setup) -> dict[str, Any]:
+    """The CPU floor of the same traffic over plain TCP, on the same shaped links: every receiver gets F
+    bytes, a quarter from each of the next four peers (the origin included), each peer one process of
+    tcp_probe.py ``mesh``. CPU per GB delivered is what the kernel and a minimal Python loop cost to move
+    these bytes through veth and tc here, the baseline the swarm's own CPU per GB is compared with."""
+    lab = setup.lab
+    count = len(lab.peers)
+    share = setup.size // TCP_MESH_SENDERS
+    senders_of = {r: [(r + d) % count for d in range(1, TCP_MESH_SENDERS + 1)] for r in range(1, count)}
+    targets: dict[int, list[str]] = {j: [] for j in range(count)}
+    for receiver, senders in senders_of.items():
+        for sender in senders:
+            targets[sender].append(f"{lab.peers[receiver].address}:{PROBE_PORT}")
+    log = setup.work / "tcp_mesh.log"
+    script = str(SUPPORT / "tcp_probe.py")
+    procs: list[Proc] = []
+    try:
+        for peer in lab.peers:
+            inbound = len(senders_of.get(peer.index, []))
+            argv = [sys.executable, script, "mesh", peer.address, str(PROBE_PORT), str(inbound), str(share),
+                    *targets[peer.index]]  # fmt: skip
+            procs.append(start(lab, peer, argv, dict(os.environ), log, f"tcp{peer.index}"))
+        deadline = time.monotonic() + 60
+        if any(proc.wait_event("ready", deadline) is None for proc in procs):
+            raise RuntimeError(f"tcp mesh: a peer never became ready: {tail(log)}")
+        with CpuSampler([p.popen.pid for p in procs]) as sampler:
+            started = time.monotonic()
+            for proc in procs:
+                proc.tell("go")
+            done = [proc.wait_event("complete", started + setup.timeout) for proc in procs]
+            cpu = sampler.stop()
+    finally:
+        for proc in procs:
+            proc.end()
+    if any(got is None for got in done):
+        raise RuntimeError(f"tcp mesh did not complete: {tail(log)}")
+    delivered = sum(int(got[1]["received"]) for got in done if got is not None)
+    return {
+        "seconds": round(max(got[0] for got in done if got is not None) - started, 2),
+        "delivered_bytes": delivered,
+        "cpu": cpu | cpu_per_gb(cpu, delivered),
+    }
+
+
+def cpu_per_gb(cpu: dict[str, Any], delivered: int) -> dict[str, float]:
+    """Peers' and the whole machine's CPU-seconds per GB delivered in one phase."""
+    return {
+        "peers_cpu_s_per_gb_delivered": round(cpu["peers_cpu_s"] / (delivered / 1e9), 2),
+        "machine_cpu_s_per_gb_delivered": round(cpu["machine_cpu_s"] / (delivered / 1e9), 2),
+    }
+
+
 def run_alternatives(
     setup: Setup, result: dict[str, Any], bound: float, *, libtorrent: bool, cold: bool, ephemeral: bool
 ) -> None:
@@ -882,6 +960,7 @@ def main() -> None:
     parser.add_argument("--skip-one-tier", action="store_true")
     parser.add_argument("--skip-libtorrent", action="store_true", help="no libtorrent baseline (warm, cold)")
     parser.add_argument("--skip-cold", action="store_true", help="no cold share/fetch (and libtorrent) phase")
+    parser.add_argument("--skip-tcp", action="store_true", help="no plain-TCP CPU baseline")
     parser.add_argument("--cold-ephemeral", action="store_true", help="also time the cold fetches with "
                         "--ephemeral-key (no keystore unlock)")  # fmt: skip
     parser.add_argument("--cold-compare-seed-until", nargs="*", default=[], help="run the cold phase again "
@@ -1005,6 +1084,14 @@ def main() -> None:
             result["ratio_to_bound"] = None
         result["goal_ratio_to_bound"] = 1.15
         result["origin_upload_copies"] = swarm["origin_upload_copies"]
+        result["goal_cpu_s_per_gb_delivered"] = 2.0
+        if not args.skip_tcp:
+            tcp = run_tcp_phase(setup)
+            result["tcp_mesh"] = tcp
+            for key in ("peers_cpu_s_per_gb_delivered", "machine_cpu_s_per_gb_delivered"):
+                result[f"cpu_ratio_to_tcp_{key.split('_')[0]}"] = round(
+                    swarm["cpu"][key] / tcp["cpu"][key], 2
+                )
         run_alternatives(
             setup,
             result,

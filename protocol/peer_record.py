@@ -99,7 +99,11 @@ def check_sender(envelope: Envelope, sender_peer_id: str) -> Address:
 
 def parse_peer_record(payload: bytes, signer: Address) -> PeerRecord:
     """Decode a record and check it describes its signer (the envelope is already verified)."""
-    record = decode(payload, PeerRecord)
+    return check_record_signer(decode(payload, PeerRecord), signer)
+
+
+def check_record_signer(record: PeerRecord, signer: Address) -> PeerRecord:
+    """A node speaks only for itself: the record must describe the key that signed its envelope."""
     if record.address != signer:
         raise RemoteProtocolError(f"record for {record.address} signed by {signer}", reason="signer_mismatch")
     return record

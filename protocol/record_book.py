@@ -88,6 +88,8 @@ class RecordBook:
         self.own_peer_id = own_peer_id
         self.config = config
         self._records: dict[str, StoredRecord] = {}
+        self._by_envelope: dict[bytes, StoredRecord] = {}
+        """The same records keyed by their exact bytes: a copy of one we hold is known without decoding."""
         self._links: dict[str, _Link] = {}
 
     def __len__(self) -> int:
@@ -95,6 +97,12 @@ class RecordBook:
 
     def get(self, peer_id: str) -> StoredRecord | None:
         return self._records.get(peer_id)
+
+    def holding(self, envelope: bytes) -> StoredRecord | None:
+        """The record held whose signed bytes are exactly ``envelope`` (verified when it was stored), or
+        None. Most records a node receives are copies of ones it holds, one from each neighbour: this
+        spares each copy a decode."""
+        return self._by_envelope.get(envelope)
 
     def peer_ids(self) -> list[str]:
         return sorted(self._records)
@@ -121,7 +129,10 @@ class RecordBook:
             return True
         if held is None and len(self._records) >= self.config.max_records:
             return False
-        self._records[peer_id] = StoredRecord(peer_id, issued_ms, envelope)
+        if held is not None:
+            self._by_envelope.pop(held.envelope, None)
+        stored = self._records[peer_id] = StoredRecord(peer_id, issued_ms, envelope)
+        self._by_envelope[envelope] = stored
         for neighbour, link in self._links.items():
             if neighbour in (came_from, peer_id):
                 continue
@@ -138,7 +149,9 @@ class RecordBook:
             del link.pending[peer_id]
 
     def forget(self, peer_id: str) -> None:
-        self._records.pop(peer_id, None)
+        held = self._records.pop(peer_id, None)
+        if held is not None:
+            self._by_envelope.pop(held.envelope, None)
         for link in self._links.values():
             link.pending.pop(peer_id, None)
 

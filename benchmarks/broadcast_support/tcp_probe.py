@@ -2,9 +2,15 @@
 
     python tcp_probe.py recv HOST PORT SENDERS   # accept SENDERS connections, print one JSON line
     python tcp_probe.py send HOST PORT BYTES     # send BYTES, wait for the receiver's acknowledgement
+    python tcp_probe.py mesh HOST PORT SENDERS BYTES [TARGET_HOST:PORT ...]
 
 The receiver times from the first byte of any connection to the last byte of all of them (bytes/s of
 payload, i.e. after TCP/IP/Ethernet headers), so with several senders it measures the receiver's download.
+
+``mesh`` is one peer of the plain-TCP baseline for the broadcast's CPU: it accepts SENDERS connections and
+drains them, says ``ready``, waits for ``go`` on stdin, sends BYTES to each target at once, and says
+``complete`` when it has sent everything and drained every sender. Sends and receives go through 1 MiB
+buffers with ``sendall``/``recv_into``: about the least CPU a Python program can spend per byte moved.
 """
 
 from __future__ import annotations
@@ -73,6 +79,63 @@ def send(host: str, port: int, total: int) -> None:
     conn.close()
 
 
+def mesh(host: str, port: int, senders: int, total: int, targets: list[str]) -> None:
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind((host, port))
+    server.listen(max(1, senders))
+    server.settimeout(TIMEOUT)
+    received: list[int] = []
+    lock = threading.Lock()
+
+    def drain(conn: socket.socket) -> None:
+        conn.settimeout(TIMEOUT)
+        buffer = bytearray(CHUNK)
+        count = 0
+        while got := conn.recv_into(buffer):
+            count += got
+        with lock:
+            received.append(count)
+        conn.close()
+
+    def accept_all() -> None:
+        drains = []
+        for _ in range(senders):
+            conn, _ = server.accept()
+            drains.append(threading.Thread(target=drain, args=(conn,)))
+            drains[-1].start()
+        for thread in drains:
+            thread.join(TIMEOUT)
+
+    def send_to(target: str) -> None:
+        target_host, target_port = target.rsplit(":", 1)
+        conn = socket.create_connection((target_host, int(target_port)), timeout=TIMEOUT)
+        data = memoryview(bytes(CHUNK))
+        left = total
+        while left:
+            step = min(CHUNK, left)
+            conn.sendall(data[:step])
+            left -= step
+        conn.close()
+
+    acceptor = threading.Thread(target=accept_all)
+    acceptor.start()
+    print(json.dumps({"event": "ready"}), flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    started = time.perf_counter()
+    sends = [threading.Thread(target=send_to, args=(target,)) for target in targets]
+    for thread in sends:
+        thread.start()
+    for thread in [*sends, acceptor]:
+        thread.join(TIMEOUT)
+    seconds = time.perf_counter() - started
+    print(json.dumps({"event": "complete", "received": sum(received), "seconds": seconds}), flush=True)
+
+
 if __name__ == "__main__":
     mode, host, port, value = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    receive(host, port, value) if mode == "recv" else send(host, port, value)
+    if mode == "mesh":
+        mesh(host, port, value, int(sys.argv[5]), sys.argv[6:])
+    else:
+        receive(host, port, value) if mode == "recv" else send(host, port, value)

@@ -7,8 +7,9 @@ on loopback, py-libp2p's gossipsub lost over half of the heartbeats in a 16-node
 liveness and records never ride gossip.
 
 Records arrive from neighbours who are not their owners, so each is checked on its own: the envelope's
-domain, its signature, and that the record describes its signer (``parse_peer_record``). A record is
-verified only when it is newer than the one held, so duplicates cost a decode. A neighbour that passes on
+domain, its signature, and that the record describes its signer (``check_record_signer``). A record is
+verified only when it is newer than the one held; an exact copy of a held record costs a lookup, an older
+issue a decode. A neighbour that passes on
 a forged or malformed record is charged for it (an honest node verifies before passing anything on).
 """
 
@@ -38,7 +39,7 @@ from protocol.overlay import (
     Overlay,
     OverlayConfig,
 )
-from protocol.peer_record import PeerRecord, parse_peer_record
+from protocol.peer_record import PeerRecord, check_record_signer
 from protocol.record_book import MAX_RECORDS_PER_FRAME, Offer, RecordBook, RecordBookConfig, clamp_refresh
 from protocol.scoring import Offence
 
@@ -346,6 +347,10 @@ class NeighbourLinks:
     def _take_record(self, sender: str, raw: bytes) -> bool:
         """Verify and store one record; True if it names a peer we never heard of (pass it on at once)."""
         self.metrics.count("records_in")
+        held_copy = self.book.holding(raw)
+        if held_copy is not None:
+            self.book.seen_from(sender, held_copy.peer_id, held_copy.issued_ms)
+            return False
         envelope = decode(raw, Envelope)
         if envelope.domain != str(self.domain):
             raise RemoteProtocolError("peer record for another run or purpose", reason=Reject.WRONG_DOMAIN)
@@ -359,7 +364,7 @@ class NeighbourLinks:
         if offer is not Offer.NEW:
             return False
         check_signature(envelope)
-        parse_peer_record(envelope.payload, envelope.signer)  # the record describes its signer
+        check_record_signer(record, envelope.signer)
         if self.policy.is_banned(record.peer_id):
             return False
         held = self.membership.get(record.peer_id)

@@ -56,3 +56,19 @@ def test_ed25519_peer_id_is_not_a_wallet() -> None:
 def test_arbitrary_text_fails_only_with_crypto_error(text: str) -> None:
     with contextlib.suppress(CryptoError):
         address_from_peer_id(text)
+
+
+def test_decoded_peer_ids_are_cached_within_a_bound_and_failures_are_not() -> None:
+    from crypto.identity import _decode_peer_id
+
+    key = WalletKey(bytes(31) + b"\x07")
+    peer_id = peer_id_from_public_key(key.public_key)
+    for _ in range(2):  # a refused peer ID is refused every time, not remembered as anything
+        with pytest.raises(CryptoError):
+            address_from_peer_id(peer_id[:-1] + "0")
+    assert address_from_peer_id(peer_id) == key.address
+    hits = _decode_peer_id.cache_info().hits
+    assert address_from_peer_id(peer_id) == key.address
+    assert public_key_from_peer_id(peer_id) == key.public_key
+    assert _decode_peer_id.cache_info().hits == hits + 2
+    assert _decode_peer_id.cache_info().maxsize == 4096

@@ -135,6 +135,21 @@ class RecordBookMachine(RuleBasedStateMachine):
             held = self.book.get(peer)
             assert held is not None and held.issued_ms == issued
 
+    @rule(peer=st.sampled_from(PEERS))
+    def forget(self, peer: str) -> None:
+        self.book.forget(peer)
+        self.newest.pop(peer, None)
+
+    @invariant()
+    def only_the_newest_bytes_of_each_held_peer_are_known_by_content(self) -> None:
+        for peer in PEERS:
+            for issued in range(21):
+                held = self.book.holding(f"{peer}:{issued}".encode())
+                if self.newest.get(peer) == issued:
+                    assert held is not None and (held.peer_id, held.issued_ms) == (peer, issued)
+                else:
+                    assert held is None
+
     @invariant()
     def pending_is_bounded_by_the_table(self) -> None:
         for neighbour in NEIGHBOURS:
