@@ -16,6 +16,7 @@ a forged or malformed record is charged for it (an honest node verifies before p
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 from collections.abc import Callable, Coroutine
@@ -50,6 +51,11 @@ SEND_TIMEOUT = 10.0
 FRAMES_PER_SECOND = 8
 """Frames one link sends per second at most (a full-table sync is paced under peers' flood limit)."""
 DIAL_YIELD_DELAY = 1.0
+SILENT_LINK_CHECKS = 3
+"""A link that carried nothing over this many on-time checks in a row, while another link carried frames,
+is closed and its peer asked again (``check_silence``)."""
+LATE_CHECK = 1.5
+"""A check this many intervals after the previous one finds our own process stalled: it counts nothing."""
 URGENT_DELAY = 0.05
 """A record of a peer we never heard of is passed on after this pause (others from the same burst join it)."""
 
@@ -62,6 +68,12 @@ class _Link:
     stream: FramedStream
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     wake: trio.Event = field(default_factory=trio.Event)
+    heard: bool = True
+    """A frame arrived since the last silence check."""
+    quiet_checks: int = 0
+    """On-time silence checks in a row that found nothing arrived."""
+    silent: bool = False
+    """The link was closed for silence: asking again closes its connection if the hello goes unanswered."""
 
 
 class NeighbourLinks:
@@ -91,6 +103,7 @@ class NeighbourLinks:
         self.rng = rng or random.Random()
         self.latency_ms: dict[str, int] = {}
         self._links: dict[str, _Link] = {}
+        self._last_check: float | None = None
         core.host.set_stream_handler(NEIGHBOUR_PROTOCOL, self._serve)
 
     # -- our own record ----------------------------------------------------------------------------------
@@ -119,7 +132,33 @@ class NeighbourLinks:
             self.overlay.opening.add(peer_id)
             self.core.nursery.start_soon(self._open, peer_id)
 
-    async def _open(self, peer_id: str) -> None:
+    def check_silence(self) -> None:
+        """Once per interval: close links that stopped carrying frames without failing. Seen in a
+        32-process swarm: a neighbour stream that delivered its first frame and nothing after, for 5–25 s,
+        while both ends kept the link (its peer flapped unhealthy). A link is judged silent only over checks
+        that ran on time, and only while another link carried frames: when our own process stalls (an
+        event loop blocked by inference, a wait under test clocks) every link looks silent at once, and
+        closing them would cut off live peers."""
+        now = trio.current_time()
+        on_time = self._last_check is None or now - self._last_check <= LATE_CHECK * self.interval
+        self._last_check = now
+        if not on_time:
+            for link in self._links.values():
+                link.heard, link.quiet_checks = False, 0
+            return
+        for link in self._links.values():
+            link.quiet_checks = 0 if link.heard else link.quiet_checks + 1
+        others_delivered = any(link.heard for link in self._links.values())
+        for link in list(self._links.values()):
+            link.heard = False
+            if others_delivered and link.quiet_checks >= SILENT_LINK_CHECKS:
+                log.info("link to %s carried nothing for %d intervals: asking again", link.peer_id,
+                         link.quiet_checks)  # fmt: skip
+                self.metrics.count("neighbour_links_silent")
+                link.silent = True
+                link.scope.cancel()
+
+    async def _open(self, peer_id: str, *, after_silence: bool = False) -> None:
         try:
             if peer_id not in self.host.connected_peers() and self.own_peer_id > peer_id:
                 # With one connection allowed per peer, two peers dialling each other at once lose one
@@ -141,6 +180,9 @@ class NeighbourLinks:
             log.info("link to %s not opened: %s", peer_id, exc or type(exc).__name__)
             self.metrics.count("neighbour_open_failures")
             self.overlay.refused(peer_id, self.clock.now(), answered=False)
+            if after_silence:  # the connection under the silent link carries nothing either: drop it
+                with trio.move_on_after(ANSWER_TIMEOUT), contextlib.suppress(NodeError):
+                    await self.host.disconnect(peer_id)
             return
         if answer is None or answer.kind not in (FrameKind.WELCOME, FrameKind.BUSY):
             self.overlay.refused(peer_id, self.clock.now())
@@ -231,11 +273,11 @@ class NeighbourLinks:
                 if said_bye:
                     self.on_changes(self.membership.unlinked(peer_id, self.clock.now()))
                 else:
-                    self._ask_again(peer_id)
+                    self._ask_again(peer_id, after_silence=link.silent)
             with trio.CancelScope(shield=True), trio.move_on_after(1), contextlib.suppress(NodeError):
                 await stream.reset()
 
-    def _ask_again(self, peer_id: str) -> None:
+    def _ask_again(self, peer_id: str, *, after_silence: bool = False) -> None:
         """A link ended without a ``bye``: the peer died, or only the link did (its connection was
         replaced, a send timed out on a loaded machine). Send it one hello: a welcome links us again, a
         ``busy`` proves it alive (judged by its records from then on), and no answer leaves it judged by
@@ -246,7 +288,7 @@ class NeighbourLinks:
             return
         self.overlay.opening.add(peer_id)
         try:
-            self.core.nursery.start_soon(self._open, peer_id)
+            self.core.nursery.start_soon(functools.partial(self._open, peer_id, after_silence=after_silence))
         except RuntimeError:  # the node is stopping: its nursery takes no new tasks
             self.overlay.opening.discard(peer_id)
             return
@@ -265,6 +307,7 @@ class NeighbourLinks:
     async def _receive_loop(self, link: _Link) -> bool:
         """Read frames until the link ends; True if the peer said goodbye."""
         while (raw := await link.stream.receive_frame(MAX_NEIGHBOUR_FRAME)) is not None:
+            link.heard = True
             self.metrics.count("heartbeat_frames_in", len(raw))
             if not self.policy.admit_message(link.peer_id):
                 return False

@@ -265,6 +265,7 @@ class Node:
             self._issue_record()
             healthy = self.peers_in(PeerState.HEALTHY)
             self.links.maintain(healthy + [p for p in self.host.connected_peers() if p not in healthy])
+            self.links.check_silence()
             await trio.sleep(self.config.heartbeat_interval)
 
     def _issue_record(self) -> None:

@@ -162,3 +162,51 @@ async def test_a_link_lost_without_a_bye_is_asked_again_and_the_live_peer_stays_
             first.metrics.counters["neighbour_rechecks"] + second.metrics.counters["neighbour_rechecks"] >= 1
         )
         nursery.cancel_scope.cancel()
+
+
+async def test_a_link_that_stops_carrying_frames_without_failing_is_closed_and_asked_again(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """A neighbour stream can stop delivering without failing (seen in a 32-process swarm: its peer then
+    flaps unhealthy). While another link still carries frames, the silent one is closed after 3 intervals
+    and the peer asked again; when every link is silent at once (our own process stalled, or everyone
+    went quiet) none is closed."""
+    network = MemoryNetwork()
+    async with trio.open_nursery() as nursery:
+        first, _ = await start_node(nursery, network.host, make_config(tmp_path, 0), serve_api=False)
+        boot = first.host.listen_multiaddrs()[0]
+        others = [
+            (
+                await start_node(
+                    nursery, network.host, make_config(tmp_path, i, bootstrap=(boot,)), serve_api=False
+                )
+            )[0]
+            for i in (1, 2)
+        ]
+        trio_nodes = [first, *others]
+        await wait_until(lambda: all(len(n.links.neighbours()) == 2 for n in trio_nodes), timeout=30)
+        first_id = first.identity.peer_id
+
+        async def swallow(data: bytes) -> None:
+            """Sends that succeed and deliver nothing."""
+
+        def mute(node: object) -> object:
+            link = node.links._links[first_id]  # type: ignore[attr-defined]
+            link.stream.send_frame = swallow
+            return link
+
+        # Every link of `first` silent at once: nothing is closed.
+        muted = [mute(node) for node in others]
+        await trio.sleep(6 * first.config.heartbeat_interval)
+        assert first.metrics.counters["neighbour_links_silent"] == 0
+        assert [n.links._links[first_id] for n in others] == muted
+        # One silent while the other delivers: that one is closed, and the peer linked again.
+        others[1].links._links[first_id].scope.cancel()  # a fresh, unmuted link replaces the second's
+        await wait_until(lambda: len(first.links.neighbours()) == 2 and first_id in others[1].links._links,
+                         timeout=60)  # fmt: skip
+        await wait_until(lambda: first.metrics.counters["neighbour_links_silent"] >= 1, timeout=60)
+        await wait_until(lambda: others[0].links._links.get(first_id) not in (None, muted[0]), timeout=60)
+        for _ in range(4):
+            await trio.sleep(first.config.heartbeat_interval)
+            assert sees_all(first, trio_nodes)
+        nursery.cancel_scope.cancel()
