@@ -9,8 +9,8 @@ liveness and records never ride gossip.
 Records arrive from neighbours who are not their owners, so each is checked on its own: the envelope's
 domain, its signature, and that the record describes its signer (``check_record_signer``). A record is
 verified only when it is newer than the one held; an exact copy of a held record costs a lookup, an older
-issue a decode. A neighbour that passes on
-a forged or malformed record is charged for it (an honest node verifies before passing anything on).
+issue a decode. A neighbour that passes on a forged or malformed record is charged for it (an honest node
+verifies before passing anything on).
 """
 
 from __future__ import annotations
