@@ -4,13 +4,16 @@ model whose policy checkpoint lies in a local directory written by prime_node.ml
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
+import trio.testing
 
 from crypto.keys import WalletKey
 from prime_node.node.service import HostOpener, Node
@@ -33,6 +36,40 @@ def fresh(scenario: Scenario) -> Scenario:
     """Seal from now on with the current wall clock (the nodes check envelope freshness against it)."""
     scenario.now_ms = time.time_ns() // 1_000_000
     return scenario
+
+
+@asynccontextmanager
+async def virtual_time_stands_still_in_threads() -> AsyncIterator[None]:
+    """Under an autojump clock, real time spent in a worker thread (a validator building its judge, a
+    model forward) lets the virtual clock race from timer to timer: 60–690 virtual seconds measured while
+    one validator started on a loaded machine, so nodes started after it disagreed with the rest about
+    the wall time by minutes (and refused each other's records), and a 5-s virtual deadline could pass
+    inside one check. While any worker thread runs, the clock here does not jump; a test then measures
+    the protocol, not how fast this machine was."""
+    clock = trio.lowlevel.current_clock()
+    if not isinstance(clock, trio.testing.MockClock):
+        yield
+        return
+    real_run_sync = trio.to_thread.run_sync
+    threshold = clock.autojump_threshold
+    running = 0
+
+    async def run_sync(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        nonlocal running
+        running += 1
+        clock.autojump_threshold = math.inf
+        try:
+            return await real_run_sync(function, *args, **kwargs)
+        finally:
+            running -= 1
+            if not running:
+                clock.autojump_threshold = threshold
+
+    trio.to_thread.run_sync = run_sync  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        trio.to_thread.run_sync = real_run_sync
 
 
 def make_scenario(trusted: list[WalletKey], *, quorum: int = 1) -> Scenario:

@@ -32,7 +32,15 @@ from protocol.scoring import ScoringConfig
 from protocol.swarm.messages import Announce
 from protocol.topics import CHECKPOINTS_TOPIC
 from tests.p2p.helpers import make_config, sees_all, start_node, wait_until
-from tests.verification.network_helpers import LENIENT, RUN_ID, judged, locator, make_scenario, policy_dir
+from tests.verification.network_helpers import (
+    LENIENT,
+    RUN_ID,
+    judged,
+    locator,
+    make_scenario,
+    policy_dir,
+    virtual_time_stands_still_in_threads,
+)
 from tests.verification.policy_flood import FloodStats, flood, future_batch
 
 
@@ -61,7 +69,7 @@ async def _run(tmp_path: Path, *, scoring: ScoringConfig | None = None) -> Async
     directory = policy_dir(scenario, tmp_path)
     network = MemoryNetwork()
     kwargs: dict[str, object] = {"serve_api": False, "write_node_file": False}
-    async with trio.open_nursery() as nursery:
+    async with virtual_time_stands_still_in_threads(), trio.open_nursery() as nursery:
         trainer, _ = await start_node(
             nursery,
             network.host,
@@ -107,8 +115,7 @@ async def _run(tmp_path: Path, *, scoring: ScoringConfig | None = None) -> Async
         announce = Announce(manifest_id=b"\x01" * 32, run=RUN_ID, step=scenario.current_step, envelope=b"")
         await trainer.gossip.publish(CHECKPOINTS_TOPIC, encode(announce))
         await trio.sleep(1)  # delivered to every node
-        # The first batch would load the policy in a worker thread; under the test's virtual clock that
-        # real-time wait would count as many virtual seconds, so load it before the timed part.
+        # Load the policy before the timed part: the first batch would otherwise wait for it.
         assert await service.preload(scenario.current_step)
         yield Run(scenario, trainer, validator, service, inferer, attacker, attacker_key)
         nursery.cancel_scope.cancel()
@@ -196,9 +203,7 @@ async def test_the_flooding_peer_is_charged_and_banned(
         # Once banned, nothing it sends reaches the check pipeline.
         assert run.service.status()["accepted"] == run.service.status()["validated"] == 0
         honest_id = await publish_batch(run.inferer, run.scenario.key, _honest_batches(run.scenario, 1)[0])
-        # The honest batch is still judged and accepted. (How fast is the first test's claim: here the
-        # check runs in a worker thread while the virtual clock jumps from timer to timer, so a few
-        # hundred real milliseconds of checking can read as many virtual seconds.)
+        # The honest batch is still judged and accepted (how fast is the first test's claim).
         assert await judged(run.service, honest_id, timeout=60) == ()
 
 
