@@ -86,6 +86,8 @@ SETTLE_SHARE = 0.3
 a swarm that has just formed still passes records and finishes start-up for several seconds after every
 peer said ``ready``, and a checkpoint of a running swarm is not broadcast into that."""
 SAMPLE_INTERVAL = 0.5
+TCP_MESH_SENDERS = 4
+"""The plain-TCP baseline: each receiver gets a 1/TCP_MESH_SENDERS share of F from each of that many peers."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -267,6 +269,14 @@ class CpuSampler:
             "cores": cores,
             "loadavg_1m_after": round(os.getloadavg()[0], 2),
         }
+
+
+def cpu_per_gb(cpu: dict[str, Any], delivered: int) -> dict[str, float]:
+    """Peers' and the whole machine's CPU-seconds per GB delivered in one phase."""
+    return {
+        "peers_cpu_s_per_gb_delivered": round(cpu["peers_cpu_s"] / (delivered / 1e9), 2),
+        "machine_cpu_s_per_gb_delivered": round(cpu["machine_cpu_s"] / (delivered / 1e9), 2),
+    }
 
 
 def settle(pids: list[int]) -> float:
@@ -833,9 +843,6 @@ def make_torrent(checkpoint: Path, out: Path, piece_size: int) -> Path:
     return out
 
 
-TCP_MESH_SENDERS = 4
-
-
 def run_tcp_phase(setup: Setup) -> dict[str, Any]:
     """The CPU floor of the same traffic over plain TCP, on the same shaped links: every receiver gets F
     bytes, a quarter from each of the next four peers (the origin included), each peer one process of
@@ -877,14 +884,6 @@ def run_tcp_phase(setup: Setup) -> dict[str, Any]:
         "seconds": round(max(got[0] for got in done if got is not None) - started, 2),
         "delivered_bytes": delivered,
         "cpu": cpu | cpu_per_gb(cpu, delivered),
-    }
-
-
-def cpu_per_gb(cpu: dict[str, Any], delivered: int) -> dict[str, float]:
-    """Peers' and the whole machine's CPU-seconds per GB delivered in one phase."""
-    return {
-        "peers_cpu_s_per_gb_delivered": round(cpu["peers_cpu_s"] / (delivered / 1e9), 2),
-        "machine_cpu_s_per_gb_delivered": round(cpu["machine_cpu_s"] / (delivered / 1e9), 2),
     }
 
 
@@ -1088,10 +1087,9 @@ def main() -> None:
         if not args.skip_tcp:
             tcp = run_tcp_phase(setup)
             result["tcp_mesh"] = tcp
-            for key in ("peers_cpu_s_per_gb_delivered", "machine_cpu_s_per_gb_delivered"):
-                result[f"cpu_ratio_to_tcp_{key.split('_')[0]}"] = round(
-                    swarm["cpu"][key] / tcp["cpu"][key], 2
-                )
+            for who in ("peers", "machine"):
+                key = f"{who}_cpu_s_per_gb_delivered"
+                result[f"cpu_ratio_to_tcp_{who}"] = round(swarm["cpu"][key] / tcp["cpu"][key], 2)
         run_alternatives(
             setup,
             result,

@@ -25,12 +25,17 @@ CHUNK = 1 << 20
 TIMEOUT = 60.0
 
 
-def receive(host: str, port: int, senders: int) -> None:
+def listen(host: str, port: int, backlog: int) -> socket.socket:
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind((host, port))
-    server.listen(senders)
+    server.listen(max(1, backlog))
     server.settimeout(TIMEOUT)
+    return server
+
+
+def receive(host: str, port: int, senders: int) -> None:
+    server = listen(host, port, senders)
     print(json.dumps({"event": "ready"}), flush=True)
     first: list[float] = []
     last: list[float] = []
@@ -80,11 +85,7 @@ def send(host: str, port: int, total: int) -> None:
 
 
 def mesh(host: str, port: int, senders: int, total: int, targets: list[str]) -> None:
-    server = socket.socket()
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind((host, port))
-    server.listen(max(1, senders))
-    server.settimeout(TIMEOUT)
+    server = listen(host, port, senders)
     received: list[int] = []
     lock = threading.Lock()
 
