@@ -22,6 +22,7 @@ neighbours (8 by default), so heartbeat traffic per node should not grow with N;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -119,9 +120,31 @@ def _socket_bytes(pids: list[int]) -> int:
     return total
 
 
-def measure(n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL) -> dict[str, Any]:
+def _missing(snapshots: list[dict[str, Any]], n: int) -> dict[str, int]:
+    """Peer entries missing from the nodes that do not see all, by kind: ``unknown`` (no record of the
+    peer yet), ``neighbour_unhealthy`` (a linked neighbour whose beats are late), ``unhealthy`` (a
+    non-neighbour whose records are late), ``dead``."""
+    kinds = {"unknown": 0, "neighbour_unhealthy": 0, "unhealthy": 0, "dead": 0}
+    for snap in snapshots:
+        peers = snap["peers"]
+        kinds["unknown"] += max(n - 1 - len(peers), 0)
+        for peer in peers:
+            if peer["state"] == "dead":
+                kinds["dead"] += 1
+            elif peer["state"] != "healthy":
+                kinds["neighbour_unhealthy" if peer["neighbour"] else "unhealthy"] += 1
+    return kinds
+
+
+def measure(
+    n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL, keep: Path | None = None
+) -> dict[str, Any]:
+    """One swarm of ``n`` processes (module doc); ``keep``: leave the nodes' directories (logs) there."""
     processes: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory(prefix="prime-node-discovery-") as root:
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+    kept = contextlib.nullcontext(tempfile.mkdtemp(prefix=f"n{n}-", dir=keep)) if keep else None
+    with kept or tempfile.TemporaryDirectory(prefix="prime-node-discovery-") as root:
         try:
             dirs = [Path(root) / f"node{i}" for i in range(n)]
             processes.append(_join(dirs[0], None, interval))
@@ -134,6 +157,7 @@ def measure(n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL
             healthy: list[int] = []
             formed_at = None
             progress: list[tuple[float, int]] = []  # (seconds after the last join, nodes that see all)
+            missing: list[tuple[float, dict[str, int]]] = []  # why the others do not, at the same times
             with ThreadPoolExecutor(max_workers=16) as pool:  # one sweep must not take longer than a beat
                 while time.monotonic() - started < timeout:
                     dead = [i for i, p in enumerate(processes) if p.poll() is not None]
@@ -148,6 +172,7 @@ def measure(n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL
                     complete = sum(h == n - 1 for h in healthy)
                     if not progress or progress[-1][1] != complete:
                         progress.append((round(swept_at - all_up, 1), complete))
+                        missing.append((round(swept_at - all_up, 1), _missing(snapshots, n)))
                     if complete == n:
                         formed_at = swept_at
                         break
@@ -160,6 +185,7 @@ def measure(n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL
                 "all_processes_listening_s": round(all_up, 2),
                 "all_see_all_s": None if formed_at is None else round(formed_at, 2),
                 "nodes_seeing_all_after_last_join": progress[-12:],
+                "missing_peer_entries_after_last_join": missing[-12:],
                 "after_last_join_s": None if formed_at is None else round(formed_at - all_up, 2),
                 "formation_vs_heartbeat": (
                     None if formed_at is None else round((formed_at - all_up) / interval, 2)
@@ -172,6 +198,10 @@ def measure(n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL
                 result["worst_node_log_tail"] = log_tail
                 return result
             before = [_snapshot(d)["counters"] for d in dirs]
+            result["neighbour_counters_at_formation"] = {
+                name: sum(c.get(name, 0) for c in before)
+                for name in sorted({k for c in before for k in c if k.startswith("neighbour")})
+            }
             io_before = _socket_bytes([p.pid for p in processes])
             time.sleep(WINDOW)
             after = [_snapshot(d)["counters"] for d in dirs]
@@ -210,10 +240,11 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL)
+    parser.add_argument("--keep", type=Path, default=None, help="keep the nodes' directories, info logs")
     args = parser.parse_args()
-    os.environ.setdefault("PRIME_NODE_LOG_LEVEL", "error")
+    os.environ.setdefault("PRIME_NODE_LOG_LEVEL", "info" if args.keep else "error")
     for n in args.sizes:
-        print(json.dumps(measure(n, args.timeout, args.heartbeat_interval)), flush=True)
+        print(json.dumps(measure(n, args.timeout, args.heartbeat_interval, args.keep)), flush=True)
 
 
 if __name__ == "__main__":

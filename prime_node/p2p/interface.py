@@ -64,6 +64,11 @@ class ByteStream(Protocol):
 
     async def reset(self) -> None: ...
 
+    def stranded(self) -> bool:
+        """The connection this stream ran over is gone (closed, or dropped for another connection to the
+        same peer) while the stream itself never failed: it will neither deliver nor fail."""
+        ...
+
 
 class FramedStream:
     """Length-prefixed frames over a ByteStream. Oversized or truncated frames raise StreamClosed."""
@@ -105,6 +110,10 @@ class FramedStream:
 
     async def close(self) -> None:
         await self.raw.close()
+
+    def stranded(self) -> bool:
+        """See ``ByteStream.stranded``."""
+        return self.raw.stranded()
 
     async def reset(self) -> None:
         await self.raw.reset()

@@ -50,7 +50,7 @@ from prime_node.p2p.nat_relay import (
     reserve,
 )
 from prime_node.p2p.provider_guard import ProviderGuard
-from prime_node.p2p.yamux_tuning import tune_yamux
+from prime_node.p2p.yamux_tuning import credit_per_half_window, tune_yamux
 from protocol.connection_admission import ConnectionLimits
 from protocol.reachability import DialbackLimiter, verdict
 
@@ -112,10 +112,25 @@ def parse_multiaddr(text: str, *, need_peer_id: bool) -> Any:
 
 
 class _Libp2pByteStream:
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, network: Any) -> None:
         self._stream = stream
+        self._network = network
         self.remote_peer_id = str(stream.muxed_conn.peer_id)
         self.relayed = _is_relayed(stream)
+
+    def stranded(self) -> bool:
+        """Its yamux connection closed or is no longer one of the swarm's connections to the peer. Seen in
+        py-libp2p 0.8.1: when two peers dial each other at once one connection is dropped, and a stream
+        on it neither delivers nor fails."""
+        try:
+            connection = self._stream.muxed_conn
+            if connection.is_closed:
+                return True
+            live = self._network.get_connections(connection.peer_id)
+            return all(getattr(c, "muxed_conn", None) is not connection for c in live)
+        except Exception:
+            log.debug("could not tell whether a stream is stranded", exc_info=True)
+            return False
 
     async def read(self, max_bytes: int) -> bytes:
         try:
@@ -295,7 +310,7 @@ class Libp2pHost:
         from libp2p.custom_types import TProtocol
 
         async def on_stream(stream: Any) -> None:
-            framed = FramedStream(_Libp2pByteStream(stream))
+            framed = FramedStream(_Libp2pByteStream(stream, self._host.get_network()))
             try:
                 await handler(framed)
             except NodeError as exc:
@@ -318,7 +333,7 @@ class Libp2pHost:
             raise NodeError(
                 f"cannot open {protocol_id} to {peer_id}: {_short(exc)}", reason="stream_failed"
             ) from exc
-        return FramedStream(_Libp2pByteStream(stream))
+        return FramedStream(_Libp2pByteStream(stream, self._host.get_network()))
 
     async def subscribe(self, topic: str, handler: GossipHandler) -> None:
         subscription = await self._pubsub.subscribe(topic)
@@ -412,7 +427,7 @@ class Libp2pHost:
         return Reachability(status, observed, relay, detail)
 
     async def _on_dialback(self, stream: Any) -> None:
-        framed = FramedStream(_Libp2pByteStream(stream))
+        framed = FramedStream(_Libp2pByteStream(stream, self._host.get_network()))
         try:
             remote = stream.get_remote_address()
             observed = (str(remote[0]), int(remote[1])) if remote else None
@@ -590,7 +605,8 @@ def _build_host(
 
     from prime_node.p2p.gossip_router import LeanPubsub
 
-    tune_yamux(os.environ)  # window updates per half window, not per read (prime_node/p2p/yamux_tuning.py)
+    if tune_yamux(os.environ):  # window credit per half window, not per read (p2p/yamux_tuning.py)
+        credit_per_half_window()
     key_pair = create_new_key_pair(key.secret)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     host = new_host(

@@ -31,9 +31,11 @@ class _MemoryByteStream:
         receive: trio.MemoryReceiveChannel[bytes],
         *,
         relayed: bool = False,
+        on_connection: Callable[[], bool] = lambda: True,
     ) -> None:
         self.remote_peer_id = remote_peer_id
         self.relayed = relayed
+        self._on_connection = on_connection
         self._send = send
         self._receive = receive
         self._pending = b""
@@ -60,6 +62,10 @@ class _MemoryByteStream:
         await self._send.aclose()
         await self._receive.aclose()
 
+    def stranded(self) -> bool:
+        """Its connection was closed or replaced; like py-libp2p's, the stream itself stays open."""
+        return not self._on_connection()
+
 
 GossipFilter = Callable[[str, str, bytes, str], bool]
 
@@ -74,6 +80,7 @@ class MemoryNetwork:
         self.relayed: set[frozenset[str]] = set()  # pairs of peer IDs whose streams count as relayed
         self.drop_gossip: GossipFilter | None = None  # (topic, origin, data, receiver) -> drop?
         self._message_ids = itertools.count()
+        self.connection_serials = itertools.count()
 
     @asynccontextmanager
     async def host(self, key: WalletKey) -> AsyncIterator[MemoryHost]:
@@ -93,6 +100,7 @@ class MemoryNetwork:
                     other_host = self.hosts.get(other)
                     if other_host is not None:
                         other_host.connections.discard(peer_id)
+                        other_host.connection_ids.pop(peer_id, None)
                 nursery.cancel_scope.cancel()
 
     def next_message_id(self) -> int:
@@ -105,6 +113,8 @@ class MemoryHost:
         self._peer_id = peer_id
         self._nursery = nursery
         self.connections: set[str] = set()
+        self.connection_ids: dict[str, int] = {}
+        """peer ID -> which connection to it is open (a stream opened on an earlier one is stranded)."""
         self.known: set[str] = set()
         """Peers the node vouches for (the in-memory network has no connection limits to exempt them from)."""
         self._handlers: dict[str, StreamHandler] = {}
@@ -132,15 +142,21 @@ class MemoryHost:
         other = self.network.hosts.get(peer.peer_id)
         if other is None or peer.peer_id in self.network.refuse:
             raise NodeError(f"cannot reach {peer.peer_id}", reason="dial_failed")
+        if peer.peer_id not in self.connections:
+            self.connection_ids[peer.peer_id] = other.connection_ids[self._peer_id] = next(
+                self.network.connection_serials
+            )
         self.connections.add(peer.peer_id)
         other.connections.add(self._peer_id)
 
     async def disconnect(self, peer_id: str) -> None:
         await trio.lowlevel.checkpoint()
         self.connections.discard(peer_id)
+        self.connection_ids.pop(peer_id, None)
         other = self.network.hosts.get(peer_id)
         if other is not None:
             other.connections.discard(self._peer_id)
+            other.connection_ids.pop(self._peer_id, None)
 
     def connected_peers(self) -> list[str]:
         return sorted(self.connections)
@@ -165,11 +181,26 @@ class MemoryHost:
         to_remote_send, to_remote_receive = trio.open_memory_channel[bytes](math.inf)
         to_local_send, to_local_receive = trio.open_memory_channel[bytes](math.inf)
         relayed = frozenset((self._peer_id, peer_id)) in self.network.relayed
+        serial = self.connection_ids[peer_id]
         remote_end = FramedStream(
-            _MemoryByteStream(self._peer_id, to_local_send, to_remote_receive, relayed=relayed)
+            _MemoryByteStream(
+                self._peer_id,
+                to_local_send,
+                to_remote_receive,
+                relayed=relayed,
+                on_connection=lambda: other.connection_ids.get(self._peer_id) == serial,
+            )
         )
         other._nursery.start_soon(other._serve, handler, remote_end)
-        return FramedStream(_MemoryByteStream(peer_id, to_remote_send, to_local_receive, relayed=relayed))
+        return FramedStream(
+            _MemoryByteStream(
+                peer_id,
+                to_remote_send,
+                to_local_receive,
+                relayed=relayed,
+                on_connection=lambda: self.connection_ids.get(peer_id) == serial,
+            )
+        )
 
     async def _serve(self, handler: StreamHandler, stream: FramedStream) -> None:
         try:

@@ -79,7 +79,8 @@ class NatSwarm:
     snapshots: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def run(self, deadline_s: float) -> dict[str, Any]:
-        """Run until the trainer finished ``steps`` steps and the homes' data planes linked; the result."""
+        """Run until the trainer finished ``steps`` steps, the homes' data planes linked and both homes
+        know whether they are reachable; the result."""
         started = time.monotonic()
         try:
             plan = self._plan()
@@ -130,7 +131,7 @@ class NatSwarm:
                 if snapshot is not None:
                     self.snapshots[node.name] = snapshot
             trainer = self.snapshots.get("trainer")
-            if finished(trainer, plan.steps) and self._homes_linked(plan):
+            if finished(trainer, plan.steps) and self._homes_linked(plan) and self._homes_probed():
                 return
             self._check_alive()
             if time.monotonic() > deadline:
@@ -157,6 +158,13 @@ class NatSwarm:
             int(a.get(address[HOMES[1]], {}).get("in", 0)) > 0
             and int(b.get(address[HOMES[0]], {}).get("in", 0)) > 0
         )
+
+    def _homes_probed(self) -> bool:
+        """Each home has a reachability verdict. A probe the public peer answers late (a loaded machine:
+        its dial-back waits on a busy trainer) leaves a home "unknown" for another round (5 s after it,
+        reachability_service.py); the swarm can finish its steps before that, as it did once in CI."""
+        statuses = [self._section(name, "reachability").get("status") for name in HOMES]
+        return all(status not in (None, "unknown") for status in statuses)
 
     def _section(self, name: str, section: str) -> dict[str, Any]:
         sections = (self.snapshots.get(name) or {}).get("sections") or {}

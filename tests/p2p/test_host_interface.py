@@ -64,6 +64,30 @@ async def test_framed_streams_carry_frames_both_ways_and_refuse_oversized_ones(o
         assert seen_peers == [a.peer_id]
 
 
+async def test_a_stream_is_stranded_once_its_connection_is_gone_and_not_before(opener: Opener) -> None:
+    async with pair(opener) as (a, b):
+        held: list[FramedStream] = []
+        done = trio.Event()
+
+        async def hold(stream: FramedStream) -> None:
+            held.append(stream)
+            await done.wait()
+
+        b.set_stream_handler("/test/hold/1", hold)
+        await a.connect(b.listen_multiaddrs()[0])
+        stream = await a.open_stream(b.peer_id, "/test/hold/1")
+        await stream.send_frame(b"hello")  # the handler runs once the first bytes arrive
+        with trio.fail_after(5):
+            while not held:
+                await trio.sleep(0.01)
+        assert not stream.stranded() and not held[0].stranded()
+        await a.disconnect(b.peer_id)
+        with trio.fail_after(5):
+            while not (stream.stranded() and held[0].stranded()):
+                await trio.sleep(0.01)
+        done.set()
+
+
 async def test_opening_an_unserved_protocol_fails_cleanly(opener: Opener) -> None:
     async with pair(opener) as (a, b):
         await a.connect(b.listen_multiaddrs()[0])
