@@ -72,14 +72,25 @@ async def test_hoarders_that_never_re_serve_do_not_stall_an_honest_fetch(
             nursery.start_soon(peer.swarm.fetch, manifest.id())
         origin_node = origin.swarm.versions[manifest.id()].transfer.node
         hoarder_keys = {p.node.key.address for p in hoarders}
-        # The hoarders hold their sessions (and the origin's first reveals) before the honest fetch starts.
-        await wait_until(lambda: hoarder_keys <= set(origin_node.peers), timeout=30, step=0.01)
+        # The hoarders hold their sessions and the origin's first reveals before the honest fetch starts.
+        def hoarding() -> bool:
+            sessions = [origin_node.peers.get(key) for key in hoarder_keys]
+            return all(s is not None and (s.revealed or s.sent) for s in sessions)
+
+        await wait_until(hoarding, timeout=30, step=0.01)
         took, path = await timed_fetch(honest, manifest.id(), 60)
         assert read_tree(path) == read_tree(hoarded_model)
         log.warning("fetch alone %.2f s, with %d %s hoarders %.2f s", baseline, HOARDERS, mode.value, took)
         # Generous: ~7 nodes share this process and a loaded machine (the goal is 1.2 x; see the docs).
         assert took <= 2.0 * baseline + 3.0, (baseline, took)
-        assert origin_node.open, "no piece was opened: the hoarders did not hoard"
+        if mode is HoardMode.SIT:  # pieces revealed and never asked for reach others only once opened
+            assert origin_node.open, "no piece was opened: the hoarders did not hoard"
+        else:
+            # Pieces taken and never passed on reach the honest peer once opened, or in the origin's
+            # second reveal pass (every piece served once): a fast first pass leaves nothing to open, as
+            # fresh-clone CI found once. That the takers took is what this run must show.
+            takers = [origin_node.peers.get(key) for key in hoarder_keys]
+            assert all(t is not None and t.sent for t in takers), "the hoarders took nothing"
         nursery.cancel_scope.cancel()
 
 
