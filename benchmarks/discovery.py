@@ -13,6 +13,12 @@ quiet window:
   from ``ss -tinp``: includes libp2p's gossipsub forwarding and control traffic, Noise, yamux, DHT; the
   status API polls happen outside the window).
 
+Next to the nodes-seeing-all curve, ``missing_peer_entries_after_last_join`` says why the others do not
+(no record of the peer yet, a neighbour whose beats are late, a non-neighbour whose records are late,
+dead), and ``neighbour_counters_at_formation`` sums the nodes' neighbour-link counters (opens that failed,
+links lost without a ``bye``, links closed as silent). ``--keep DIR`` keeps every node's directory with an
+info-level log.
+
 Prints one JSON line per N. The baseline in the same run is the heartbeat interval: ``formation_vs_heartbeat``
 is the formation time after the last join in heartbeat intervals (goal ≤ 3). Each node beats only to its
 neighbours (8 by default), so heartbeat traffic per node should not grow with N; ``neighbours_mean`` and

@@ -50,7 +50,7 @@ from prime_node.p2p.nat_relay import (
     reserve,
 )
 from prime_node.p2p.provider_guard import ProviderGuard
-from prime_node.p2p.yamux_tuning import credit_per_half_window, tune_yamux
+from prime_node.p2p.yamux_tuning import tune_yamux
 from protocol.connection_admission import ConnectionLimits
 from protocol.reachability import DialbackLimiter, verdict
 
@@ -605,8 +605,7 @@ def _build_host(
 
     from prime_node.p2p.gossip_router import LeanPubsub
 
-    if tune_yamux(os.environ):  # window credit per half window, not per read (p2p/yamux_tuning.py)
-        credit_per_half_window()
+    tune_yamux(os.environ)  # window updates per half window, not per read (prime_node/p2p/yamux_tuning.py)
     key_pair = create_new_key_pair(key.secret)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     host = new_host(

@@ -72,6 +72,7 @@ async def test_hoarders_that_never_re_serve_do_not_stall_an_honest_fetch(
             nursery.start_soon(peer.swarm.fetch, manifest.id())
         origin_node = origin.swarm.versions[manifest.id()].transfer.node
         hoarder_keys = {p.node.key.address for p in hoarders}
+
         # The hoarders hold their sessions and the origin's first reveals before the honest fetch starts.
         def hoarding() -> bool:
             sessions = [origin_node.peers.get(key) for key in hoarder_keys]
