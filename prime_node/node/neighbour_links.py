@@ -135,9 +135,8 @@ class NeighbourLinks:
         while both ends kept the link (its peer flapped unhealthy): its connection had been dropped under
         it. A link is closed only when its stream is stranded so, and quiet over checks that ran on time.
         A quiet link on a live connection stays: its peer is slow (a loaded machine, a stalled process) and
-        its beats judge it; closing it, and the connection when the peer answers the hello late, turned
-        such stalls into lost peers (64 processes on 2 cores formed in 15–16 intervals with that rule,
-        5–6 without it)."""
+        its beats judge it. Closing it, and the connection when the peer answered the hello late, turned
+        such stalls into peers counted dead until their next record (docs/benchmarks.md, *Discovery*)."""
         now = trio.current_time()
         on_time = self._last_check is None or now - self._last_check <= LATE_CHECK * self.interval
         self._last_check = now

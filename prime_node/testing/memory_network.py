@@ -99,8 +99,7 @@ class MemoryNetwork:
                 for other in list(host.connections):
                     other_host = self.hosts.get(other)
                     if other_host is not None:
-                        other_host.connections.discard(peer_id)
-                        other_host.connection_ids.pop(peer_id, None)
+                        other_host.connections.pop(peer_id, None)
                 nursery.cancel_scope.cancel()
 
     def next_message_id(self) -> int:
@@ -112,8 +111,7 @@ class MemoryHost:
         self.network = network
         self._peer_id = peer_id
         self._nursery = nursery
-        self.connections: set[str] = set()
-        self.connection_ids: dict[str, int] = {}
+        self.connections: dict[str, int] = {}
         """peer ID -> which connection to it is open (a stream opened on an earlier one is stranded)."""
         self.known: set[str] = set()
         """Peers the node vouches for (the in-memory network has no connection limits to exempt them from)."""
@@ -143,20 +141,16 @@ class MemoryHost:
         if other is None or peer.peer_id in self.network.refuse:
             raise NodeError(f"cannot reach {peer.peer_id}", reason="dial_failed")
         if peer.peer_id not in self.connections:
-            self.connection_ids[peer.peer_id] = other.connection_ids[self._peer_id] = next(
+            self.connections[peer.peer_id] = other.connections[self._peer_id] = next(
                 self.network.connection_serials
             )
-        self.connections.add(peer.peer_id)
-        other.connections.add(self._peer_id)
 
     async def disconnect(self, peer_id: str) -> None:
         await trio.lowlevel.checkpoint()
-        self.connections.discard(peer_id)
-        self.connection_ids.pop(peer_id, None)
+        self.connections.pop(peer_id, None)
         other = self.network.hosts.get(peer_id)
         if other is not None:
-            other.connections.discard(self._peer_id)
-            other.connection_ids.pop(self._peer_id, None)
+            other.connections.pop(self._peer_id, None)
 
     def connected_peers(self) -> list[str]:
         return sorted(self.connections)
@@ -181,14 +175,14 @@ class MemoryHost:
         to_remote_send, to_remote_receive = trio.open_memory_channel[bytes](math.inf)
         to_local_send, to_local_receive = trio.open_memory_channel[bytes](math.inf)
         relayed = frozenset((self._peer_id, peer_id)) in self.network.relayed
-        serial = self.connection_ids[peer_id]
+        serial = self.connections[peer_id]
         remote_end = FramedStream(
             _MemoryByteStream(
                 self._peer_id,
                 to_local_send,
                 to_remote_receive,
                 relayed=relayed,
-                on_connection=lambda: other.connection_ids.get(self._peer_id) == serial,
+                on_connection=lambda: other.connections.get(self._peer_id) == serial,
             )
         )
         other._nursery.start_soon(other._serve, handler, remote_end)
@@ -198,7 +192,7 @@ class MemoryHost:
                 to_remote_send,
                 to_local_receive,
                 relayed=relayed,
-                on_connection=lambda: self.connection_ids.get(peer_id) == serial,
+                on_connection=lambda: self.connections.get(peer_id) == serial,
             )
         )
 
