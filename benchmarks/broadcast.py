@@ -16,6 +16,8 @@ phase (machine-wide from /proc/stat, and the peers' own CPU time), so a run limi
 than by the links says so. After the swarm phase the same bytes (F to every receiver) cross the same links
 over plain TCP (``tcp_mesh``, ``--skip-tcp`` leaves it out): its CPU per GB delivered is what the kernel,
 veth and tc cost here, and ``cpu_ratio_to_tcp_peers``/``_machine`` say how far above that floor we are.
+Then once more with every receiver writing what it gets into a file beside the swarm's stores
+(``tcp_mesh_store``, ``cpu_ratio_to_tcp_store_*``): the floor for a broadcast that keeps the checkpoint.
 
 Peers (``--impl``): ``service`` (default) runs benchmarks/broadcast_support/service_peer.py: a full node
 (libp2p host, DHT, gossip, heartbeats) with ``SwarmService``, the objects ``prime-node share``/``fetch``
@@ -578,8 +580,9 @@ def verify_stores(stores: Path, setup: Setup) -> bool:
     want = _stream_digest(sorted(p for p in setup.checkpoint.rglob("*") if p.is_file()))
     for index in range(1, len(setup.keys)):
         root = stores / f"p{index}"
-        found: list[list[Path]] = [[p] for p in root.glob("*/pieces.bin")] or [
-            sorted(p for p in d.rglob("*") if p.is_file()) for d in root.glob("swarm/checkpoints/*")
+        found = [
+            sorted(p for p in d.rglob("*") if p.is_file())
+            for d in [*root.glob("*/files"), *root.glob("swarm/checkpoints/*")]
         ]
         if len(found) != 1 or _stream_digest(found[0]) != want:
             return False
@@ -843,11 +846,15 @@ def make_torrent(checkpoint: Path, out: Path, piece_size: int) -> Path:
     return out
 
 
-def run_tcp_phase(setup: Setup) -> dict[str, Any]:
+def run_tcp_phase(setup: Setup, *, store: bool = False) -> dict[str, Any]:
     """The CPU floor of the same traffic over plain TCP, on the same shaped links: every receiver gets F
     bytes, a quarter from each of the next four peers (the origin included), each peer one process of
     tcp_probe.py ``mesh``. CPU per GB delivered is what the kernel and a minimal Python loop cost to move
-    these bytes through veth and tc here, the baseline the swarm's own CPU per GB is compared with."""
+    these bytes through veth and tc here, the baseline the swarm's own CPU per GB is compared with.
+    ``store``: every receiver also writes its F bytes into a file in the workdir, where the swarm's stores
+    are (``tcp_mesh_store``): the floor for a broadcast that keeps what it receives, which also counts what
+    this machine's file system costs per byte written (on a VM whose memory the host backs lazily, writing
+    into fresh page-cache pages costs several times a write into pages the guest touched recently)."""
     lab = setup.lab
     count = len(lab.peers)
     share = setup.size // TCP_MESH_SENDERS
@@ -858,12 +865,16 @@ def run_tcp_phase(setup: Setup) -> dict[str, Any]:
             targets[sender].append(f"{lab.peers[receiver].address}:{PROBE_PORT}")
     log = setup.work / "tcp_mesh.log"
     script = str(SUPPORT / "tcp_probe.py")
+    files = setup.work / "tcp-mesh-store"
     procs: list[Proc] = []
     try:
+        if store:
+            files.mkdir(parents=True, exist_ok=True)
         for peer in lab.peers:
             inbound = len(senders_of.get(peer.index, []))
+            keep = ["--store", str(files / f"p{peer.index}")] if store and inbound else []
             argv = [sys.executable, script, "mesh", peer.address, str(PROBE_PORT), str(inbound), str(share),
-                    *targets[peer.index]]  # fmt: skip
+                    *keep, *targets[peer.index]]  # fmt: skip
             procs.append(start(lab, peer, argv, dict(os.environ), log, f"tcp{peer.index}"))
         deadline = time.monotonic() + 60
         if any(proc.wait_event("ready", deadline) is None for proc in procs):
@@ -877,6 +888,7 @@ def run_tcp_phase(setup: Setup) -> dict[str, Any]:
     finally:
         for proc in procs:
             proc.end()
+        shutil.rmtree(files, ignore_errors=True)
     if any(got is None for got in done):
         raise RuntimeError(f"tcp mesh did not complete: {tail(log)}")
     delivered = sum(int(got[1]["received"]) for got in done if got is not None)
@@ -1087,9 +1099,12 @@ def main() -> None:
         if not args.skip_tcp:
             tcp = run_tcp_phase(setup)
             result["tcp_mesh"] = tcp
+            stored = run_tcp_phase(setup, store=True)
+            result["tcp_mesh_store"] = stored
             for who in ("peers", "machine"):
                 key = f"{who}_cpu_s_per_gb_delivered"
                 result[f"cpu_ratio_to_tcp_{who}"] = round(swarm["cpu"][key] / tcp["cpu"][key], 2)
+                result[f"cpu_ratio_to_tcp_store_{who}"] = round(swarm["cpu"][key] / stored["cpu"][key], 2)
         run_alternatives(
             setup,
             result,

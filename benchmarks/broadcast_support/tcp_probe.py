@@ -2,7 +2,7 @@
 
     python tcp_probe.py recv HOST PORT SENDERS   # accept SENDERS connections, print one JSON line
     python tcp_probe.py send HOST PORT BYTES     # send BYTES, wait for the receiver's acknowledgement
-    python tcp_probe.py mesh HOST PORT SENDERS BYTES [TARGET_HOST:PORT ...]
+    python tcp_probe.py mesh HOST PORT SENDERS BYTES [--store FILE] [TARGET_HOST:PORT ...]
 
 The receiver times from the first byte of any connection to the last byte of all of them (bytes/s of
 payload, i.e. after TCP/IP/Ethernet headers), so with several senders it measures the receiver's download.
@@ -11,11 +11,15 @@ payload, i.e. after TCP/IP/Ethernet headers), so with several senders it measure
 drains them, says ``ready``, waits for ``go`` on stdin, sends BYTES to each target at once, and says
 ``complete`` when it has sent everything and drained every sender. Sends and receives go through 1 MiB
 buffers with ``sendall``/``recv_into``: about the least CPU a Python program can spend per byte moved.
+With ``--store FILE`` it also writes what it receives into FILE (preallocated on ``go``, each sender's
+bytes at their own offsets, one ``pwrite`` per read), as any receiver that keeps a checkpoint must: the
+floor for moving and storing the bytes, which counts what the file system costs per byte written.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
@@ -84,16 +88,22 @@ def send(host: str, port: int, total: int) -> None:
     conn.close()
 
 
-def mesh(host: str, port: int, senders: int, total: int, targets: list[str]) -> None:
+def mesh(host: str, port: int, senders: int, total: int, targets: list[str], store: str | None) -> None:
     server = listen(host, port, senders)
     received: list[int] = []
     lock = threading.Lock()
+    stored = threading.Event()  # set once the store file is open and preallocated
+    store_fd = -1
 
-    def drain(conn: socket.socket) -> None:
+    def drain(conn: socket.socket, slot: int) -> None:
         conn.settimeout(TIMEOUT)
         buffer = bytearray(CHUNK)
+        view = memoryview(buffer)
         count = 0
         while got := conn.recv_into(buffer):
+            if store is not None:
+                stored.wait(TIMEOUT)
+                os.pwrite(store_fd, view[:got], slot * total + count)
             count += got
         with lock:
             received.append(count)
@@ -101,9 +111,9 @@ def mesh(host: str, port: int, senders: int, total: int, targets: list[str]) -> 
 
     def accept_all() -> None:
         drains = []
-        for _ in range(senders):
+        for slot in range(senders):
             conn, _ = server.accept()
-            drains.append(threading.Thread(target=drain, args=(conn,)))
+            drains.append(threading.Thread(target=drain, args=(conn, slot)))
             drains[-1].start()
         for thread in drains:
             thread.join(TIMEOUT)
@@ -125,18 +135,26 @@ def mesh(host: str, port: int, senders: int, total: int, targets: list[str]) -> 
     if sys.stdin.readline().strip() != "go":
         return
     started = time.perf_counter()
+    if store is not None:
+        store_fd = os.open(store, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.posix_fallocate(store_fd, 0, senders * total)
+        stored.set()
     sends = [threading.Thread(target=send_to, args=(target,)) for target in targets]
     for thread in sends:
         thread.start()
     for thread in [*sends, acceptor]:
         thread.join(TIMEOUT)
     seconds = time.perf_counter() - started
+    if store is not None:
+        os.close(store_fd)
     print(json.dumps({"event": "complete", "received": sum(received), "seconds": seconds}), flush=True)
 
 
 if __name__ == "__main__":
     mode, host, port, value = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     if mode == "mesh":
-        mesh(host, port, value, int(sys.argv[5]), sys.argv[6:])
+        rest = sys.argv[6:]
+        store_file = rest[1] if rest[:1] == ["--store"] else None
+        mesh(host, port, value, int(sys.argv[5]), rest[2:] if store_file else rest, store_file)
     else:
         receive(host, port, value) if mode == "recv" else send(host, port, value)

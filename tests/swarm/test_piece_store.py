@@ -103,8 +103,9 @@ def test_reopening_resumes_from_verified_pieces_only(tmp_path: Path) -> None:
     assert again.have == store.have == 0b101101
     again.close()
     # Damage piece 2's bytes on disk: the re-check on open drops it.
-    with open(again.directory / "pieces.bin", "r+b") as handle:
-        handle.seek(2 * PIECE + 10)
+    file_index, offset, _, _ = again.segments(2)[0]
+    with open(again.files / manifest.files[file_index].path, "r+b") as handle:
+        handle.seek(offset + 10)
         handle.write(b"\xff\xff")
     with PieceStore.open(tmp_path / "store", manifest) as damaged:
         assert damaged.have == 0b101001
@@ -143,6 +144,81 @@ def test_output_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(NodeError) as exists:
         store.materialize(out)
     assert exists.value.reason == "output_exists"
+    with pytest.raises(NodeError) as moved:
+        store.materialize(tmp_path / "elsewhere")
+    assert moved.value.reason == "store_moved" and not (tmp_path / "elsewhere").exists()
+
+
+def test_finishing_a_download_renames_its_files_into_place_and_copies_nothing(tmp_path: Path) -> None:
+    shared = share(tmp_path)
+    manifest = shared.manifest
+    store = PieceStore.open(tmp_path / "store", manifest)
+    fill(store, shared, range(manifest.piece_count))
+    before = {e.path: os.stat(store.files / e.path).st_ino for e in manifest.files}
+    served_before = store.read(3)  # the event loop keeps serving from descriptors it holds...
+    out = tmp_path / "checkpoints" / "step-1"
+    store.materialize(out)
+    assert {e.path: os.stat(out / e.path).st_ino for e in manifest.files} == before
+    assert not store.files.exists()
+    assert oct(os.stat(out).st_mode & 0o777) == oct(0o755)
+    assert read_tree(out) == read_tree(shared.directory)
+    store.close()  # ...and opens the moved files by their new path once it has no descriptor left
+    for index in range(manifest.piece_count):
+        assert store.read(index) == read_piece_from_files(shared.directory, manifest, index)
+    assert store.read(3) == served_before
+    store.have &= ~1  # as if piece 0 were missing: nothing may be written into the output any more
+    with pytest.raises(NodeError) as moved:
+        store.write(0, read_piece_from_files(shared.directory, manifest, 0))
+    assert moved.value.reason == "store_moved"
+    store.close()
+    store.remove()
+    assert not store.directory.exists() and read_tree(out) == read_tree(shared.directory)
+
+
+def test_an_output_on_another_file_system_is_copied_atomically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = share(tmp_path)
+    store = PieceStore.open(tmp_path / "store", shared.manifest)
+    fill(store, shared, range(shared.manifest.piece_count))
+    real_rename = os.rename
+
+    def across_devices(source: Path, target: Path) -> None:
+        if Path(source) == store.files:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real_rename(source, target)
+
+    monkeypatch.setattr(os, "rename", across_devices)
+    out = tmp_path / "other-disk" / "out"
+    store.materialize(out)
+    assert read_tree(out) == read_tree(shared.directory)
+    assert oct(os.stat(out).st_mode & 0o777) == oct(0o755)
+    assert [p.name for p in out.parent.iterdir()] == ["out"]  # no staging left behind
+    assert read_tree(store.files) == read_tree(shared.directory)  # copied, not moved
+    store.close()
+    store.remove()
+    assert read_tree(out) == read_tree(shared.directory)
+
+
+def test_a_store_whose_files_left_with_a_killed_run_or_of_the_old_layout_starts_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared = share(tmp_path)
+    manifest = shared.manifest
+    store = PieceStore.open(tmp_path / "store", manifest)
+    fill(store, shared, range(manifest.piece_count))
+    store.materialize(tmp_path / "out")
+    store.close()  # killed before ``remove``: the store's progress claims every piece, its files are gone
+    with caplog.at_level("WARNING"), PieceStore.open(tmp_path / "store", manifest) as again:
+        assert again.have == 0
+        assert [e.path for e in manifest.files] == sorted(read_tree(again.files))
+        fill(again, shared, [0, 1])
+    failed = [r.getMessage() for r in caplog.records if "failed their re-check" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].startswith(f"{manifest.piece_count} pieces")
+    legacy = tmp_path / "store" / manifest.id().hex()
+    (legacy / "pieces.bin").write_bytes(b"\0" * manifest.total_size)
+    with PieceStore.open(tmp_path / "store", manifest) as old:
+        assert old.have == 0 and not (legacy / "pieces.bin").exists()
 
 
 def test_a_stale_partial_directory_from_a_killed_run_is_cleaned(tmp_path: Path) -> None:
