@@ -20,6 +20,7 @@ library's quirks (bind errors, stream ends, gossipsub and Kademlia set-up) stays
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -50,7 +51,7 @@ from prime_node.p2p.nat_relay import (
     reserve,
 )
 from prime_node.p2p.provider_guard import ProviderGuard
-from prime_node.p2p.yamux_tuning import tune_yamux
+from prime_node.p2p.yamux_tuning import reset_stalled_writes, tune_yamux
 from protocol.connection_admission import ConnectionLimits
 from protocol.reachability import DialbackLimiter, verdict
 
@@ -493,6 +494,77 @@ def _ips_of(addrs: list[Any]) -> set[str]:
     return ips
 
 
+def _raise_on_exit(
+    exc: BaseException,
+    listen: str,
+    *,
+    started: bool,
+    body_error: BaseException | None,
+    failures: list[BaseException],
+) -> None:
+    """What leaves ``open_libp2p_host`` when ``exc`` ends its host: the caller's own error; a clear
+    NodeError for a host that could not start; a cancellation from outside. Returns (the context then ends
+    quietly, or raises ``host_failed`` if the host failed under the caller) for what libp2p reports while
+    shutting down."""
+    if body_error is not None and not _only_cancelled(body_error):
+        raise body_error from None  # the caller's own error
+    if not started:
+        own = first_node_error(exc)
+        if own is not None:
+            raise own from None
+        bind = _bind_error(exc)
+        if bind is not None:
+            raise NodeError(f"cannot listen on {listen}: {bind.strerror}", reason="port_in_use") from None
+        if isinstance(exc, Exception):
+            raise NodeError(
+                f"cannot start the libp2p host on {listen}: {_short(exc)}", reason="listen_failed"
+            ) from exc
+        raise exc
+    # A py-libp2p service that fails cancels the code running inside its context (the caller's body):
+    # that is the host failing, not the caller stopping, so the body's cancellation must not end the
+    # context quietly (``open_libp2p_host`` raises it once out of its teardown scope). While shutting down
+    # the services sometimes spawn tasks into closing nurseries: log that, and let a cancellation from
+    # outside go on its way.
+    if body_error is not None and failures:
+        return
+    if isinstance(exc, BaseExceptionGroup):
+        cancelled, rest = exc.split(trio.Cancelled)
+        if rest is not None:
+            log.debug("libp2p reported errors while shutting down: %r", rest)
+        if cancelled is not None:
+            raise cancelled from None
+    elif isinstance(exc, trio.Cancelled | KeyboardInterrupt):
+        raise exc
+    else:
+        log.debug("libp2p reported an error while shutting down: %r", exc)
+
+
+@asynccontextmanager
+async def _failures_into(failures: list[BaseException]) -> AsyncIterator[None]:
+    """Note what leaves the block other than cancellation (a py-libp2p service that failed: its context
+    cancels the code inside it, so the caller sees only ``Cancelled``), and let it go on its way."""
+    try:
+        yield
+    except BaseException as exc:
+        rest = exc.split(trio.Cancelled)[1] if isinstance(exc, BaseExceptionGroup) else exc
+        if rest is not None and not isinstance(rest, trio.Cancelled):
+            failures.append(rest)
+        raise
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    return isinstance(exc, trio.Cancelled) or (
+        isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None
+    )
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    """The first exception inside (nested) exception groups: the one worth a line."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def _short(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return text[:200]
@@ -606,6 +678,7 @@ def _build_host(
     from prime_node.p2p.gossip_router import LeanPubsub
 
     tune_yamux(os.environ)  # window updates per half window, not per read (prime_node/p2p/yamux_tuning.py)
+    reset_stalled_writes()  # a write that gave up waiting for window ends its stream, not garbles it
     key_pair = create_new_key_pair(key.secret)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     host = new_host(
@@ -628,6 +701,7 @@ def _build_host(
     gate = InboundGate(swarm, limits, known)
     gate.install()
     relax_dial_backoff(swarm)
+    _contain_stream_failures(host)
     gossipsub = _gossipsub(gossip_heartbeat_interval)
     pubsub = LeanPubsub(host, gossipsub)
     dht = KadDHT(host, DHTMode.SERVER)
@@ -635,6 +709,24 @@ def _build_host(
     guard.install()
     relay = build_relay_parts(host, relay_service=relay_service, hole_punching=hole_punching)
     return _HostParts(host, pubsub, gossipsub, dht, known, gate, guard, relay)
+
+
+def _contain_stream_failures(host: Any) -> None:
+    """An error in the handler of one inbound stream ends that stream, not the host. py-libp2p runs every
+    handler (its own: identify, DHT, relay, DCUtR, pubsub; and ours) inside the connection's service, so an
+    exception a handler lets escape, e.g. on bytes a peer chose, failed the whole host."""
+    dispatch = host._swarm_stream_handler
+
+    async def contained(stream: Any) -> None:
+        try:
+            await dispatch(stream)
+        except Exception as exc:
+            peer = getattr(getattr(stream, "muxed_conn", None), "peer_id", "?")
+            log.info("resetting a stream from %s: its handler failed: %s", peer, _short(exc))
+            with contextlib.suppress(Exception):
+                await stream.reset()
+
+    host.get_network().set_stream_handler(contained)
 
 
 @asynccontextmanager
@@ -679,17 +771,23 @@ async def open_libp2p_host(
     host = parts.host
     started = False
     body_error: BaseException | None = None
+    failures: list[BaseException] = []
     # Teardown always runs cancelled: py-libp2p's services can wait a long time for peers to answer
     # while closing, and an error in the caller's code must not leave the node hanging.
     with trio.CancelScope() as teardown:
         try:
-            async with host.run(listen_addrs=[listen_addr]), trio.open_nursery() as nursery:
+            async with (
+                _failures_into(failures),
+                host.run(listen_addrs=[listen_addr]),
+                trio.open_nursery() as nursery,
+            ):
                 if not host.get_network().listeners:  # py-libp2p logs a failed bind and carries on
                     raise NodeError(
                         f"cannot listen on {listen}: {_why_bind_fails(listen_addr)}", reason="port_in_use"
                     )
                 started = True
                 async with (
+                    _failures_into(failures),
                     background_trio_service(parts.pubsub),
                     background_trio_service(parts.gossipsub),
                     background_trio_service(parts.dht),
@@ -705,31 +803,9 @@ async def open_libp2p_host(
                     finally:
                         teardown.cancel()
         except BaseException as exc:
-            if body_error is not None:
-                raise body_error from None
-            if not started:
-                own = first_node_error(exc)
-                if own is not None:
-                    raise own from None
-                bind = _bind_error(exc)
-                if bind is not None:
-                    raise NodeError(
-                        f"cannot listen on {listen}: {bind.strerror}", reason="port_in_use"
-                    ) from None
-                if isinstance(exc, Exception):
-                    raise NodeError(
-                        f"cannot start the libp2p host on {listen}: {_short(exc)}", reason="listen_failed"
-                    ) from exc
-                raise
-            # py-libp2p's services sometimes spawn tasks into closing nurseries while shutting down: log that,
-            # but let a cancellation from outside go on its way.
-            if isinstance(exc, BaseExceptionGroup):
-                cancelled, rest = exc.split(trio.Cancelled)
-                if rest is not None:
-                    log.debug("libp2p reported errors while shutting down: %r", rest)
-                if cancelled is not None:
-                    raise cancelled from None
-            elif isinstance(exc, trio.Cancelled | KeyboardInterrupt):
-                raise
-            else:
-                log.debug("libp2p reported an error while shutting down: %r", exc)
+            _raise_on_exit(exc, listen, started=started, body_error=body_error, failures=failures)
+    if body_error is not None and failures:
+        await trio.lowlevel.checkpoint_if_cancelled()  # cancelled from outside as well: that is a stop
+        log.warning("the libp2p host stopped", exc_info=failures[0])
+        cause = _first_leaf(failures[0])
+        raise NodeError(f"the libp2p host stopped: {_short(cause)}", reason="host_failed") from cause

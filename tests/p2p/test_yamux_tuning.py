@@ -14,7 +14,7 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.p2p.interface import FramedStream
 from prime_node.p2p.libp2p_host import open_libp2p_host
-from prime_node.p2p.yamux_tuning import RELEASE_ON_READ, tune_yamux
+from prime_node.p2p.yamux_tuning import RELEASE_ON_READ, reset_stalled_writes, tune_yamux
 
 OPEN = functools.partial(open_libp2p_host, listen="/ip4/127.0.0.1/tcp/0")
 
@@ -62,3 +62,41 @@ async def test_small_and_window_sized_frames_flow_both_ways(monkeypatch: pytest.
         )
         assert updates < 0.75 * 600  # one per read with the switch on; ~every other read with it off
         await stream.close()
+
+
+async def test_a_write_that_gives_up_waiting_for_window_resets_its_stream() -> None:
+    """A reader that stops reading: py-libp2p's write waits 5 s for window, then raises with part of its
+    data sent. The stream must then end for the reader, not go on with the next message's bytes (which
+    the reader would take for the rest of the cut one)."""
+    assert reset_stalled_writes()
+    got: list[bytes | str] = []
+    reading = trio.Event()
+
+    async def slow_reader(stream: FramedStream) -> None:
+        await reading.wait()  # not a byte read until the writer has given up
+        try:
+            while (frame := await stream.receive_frame(4 << 20)) is not None:
+                got.append(frame)
+            got.append("end of stream")
+        except Exception as exc:  # what py-libp2p raises for a reset stream varies
+            got.append(type(exc).__name__)
+
+    async with OPEN(WalletKey.generate()) as a, OPEN(WalletKey.generate()) as b:
+        b.set_stream_handler("/test/slow/1", slow_reader)
+        await a.connect(b.listen_multiaddrs()[0])
+        stream = await a.open_stream(b.peer_id, "/test/slow/1")
+        whole = os.urandom(1 << 20)
+        sent = 0
+        with trio.fail_after(60):
+            with pytest.raises(Exception):  # noqa: B017  (py-libp2p's error types vary)
+                for _ in range(64):  # beyond any window py-libp2p grants (16 MiB at most): one stalls
+                    await stream.send_frame(whole)
+                    sent += 1
+            with pytest.raises(Exception):  # noqa: B017  the stream is gone, not half-written
+                await stream.send_frame(b"the next message")
+            reading.set()
+            while not got or isinstance(got[-1], bytes):
+                await trio.sleep(0.05)
+        frames = [item for item in got if isinstance(item, bytes)]
+        assert 0 < sent < 64 and frames == [whole] * len(frames) and len(frames) <= sent
+        assert isinstance(got[-1], str)  # the stream ended there: no cut frame, no next message
