@@ -51,7 +51,7 @@ from prime_node.p2p.nat_relay import (
     reserve,
 )
 from prime_node.p2p.provider_guard import ProviderGuard
-from prime_node.p2p.yamux_tuning import reset_stalled_writes, tune_yamux
+from prime_node.p2p.yamux_tuning import tune_yamux, whole_writes
 from protocol.connection_admission import ConnectionLimits
 from protocol.reachability import DialbackLimiter, verdict
 
@@ -677,8 +677,10 @@ def _build_host(
 
     from prime_node.p2p.gossip_router import LeanPubsub
 
-    tune_yamux(os.environ)  # window updates per half window, not per read (prime_node/p2p/yamux_tuning.py)
-    reset_stalled_writes()  # a write that gave up waiting for window ends its stream, not garbles it
+    # yamux closer to go-yamux (prime_node/p2p/yamux_tuning.py): fewer window updates, and a message is
+    # written whole or its stream ends.
+    tune_yamux(os.environ)
+    whole_writes()
     key_pair = create_new_key_pair(key.secret)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     host = new_host(
