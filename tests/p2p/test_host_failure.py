@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,22 @@ async def test_cancelling_the_node_from_outside_is_still_a_clean_stop(tmp_path: 
     assert not node.is_running
 
 
+async def _victim(
+    done: trio.Event,
+    install: Callable[[Libp2pHost], None] = lambda host: None,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """A host (with ``install``'s handlers) that runs until cancelled, or until it fails: ``done`` is set
+    when it ends either way."""
+    try:
+        async with open_libp2p_host(KEY, "/ip4/127.0.0.1/tcp/0") as host:
+            install(host)
+            task_status.started(host)
+            await trio.sleep_forever()
+    finally:
+        done.set()
+
+
 async def test_a_peer_sending_an_rpc_that_does_not_parse_loses_its_stream_not_our_host() -> None:
     """py-libp2p 0.8.1's pubsub stream handler lets a protobuf ``DecodeError`` escape, and that failed the
     whole host: any peer could stop any node with one malformed RPC. ``LeanPubsub`` contains it to the
@@ -75,16 +92,7 @@ async def test_a_peer_sending_an_rpc_that_does_not_parse_loses_its_stream_not_ou
 
     victim_done = trio.Event()
     async with trio.open_nursery() as nursery:
-
-        async def victim(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-            try:
-                async with open_libp2p_host(KEY, "/ip4/127.0.0.1/tcp/0") as host:
-                    task_status.started(host)
-                    await trio.sleep_forever()
-            finally:
-                victim_done.set()
-
-        target: Libp2pHost = await nursery.start(victim)
+        target: Libp2pHost = await nursery.start(_victim, victim_done)
         with trio.fail_after(20):
             async with open_libp2p_host(WalletKey(bytes(31) + b"\x22"), "/ip4/127.0.0.1/tcp/0") as attacker:
                 await attacker.connect(target.listen_multiaddrs()[0] + f"/p2p/{target.peer_id}")
@@ -117,18 +125,12 @@ async def test_an_error_in_any_stream_handler_ends_that_stream_only() -> None:
         raise RuntimeError("a handler that fails on what the peer sent")
 
     victim_done = trio.Event()
+
+    def install(host: Libp2pHost) -> None:
+        host._host.set_stream_handler(TProtocol("/prime-node/test-failing/1"), failing)
+
     async with trio.open_nursery() as nursery:
-
-        async def victim(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-            try:
-                async with open_libp2p_host(KEY, "/ip4/127.0.0.1/tcp/0") as host:
-                    host._host.set_stream_handler(TProtocol("/prime-node/test-failing/1"), failing)
-                    task_status.started(host)
-                    await trio.sleep_forever()
-            finally:
-                victim_done.set()
-
-        target: Libp2pHost = await nursery.start(victim)
+        target: Libp2pHost = await nursery.start(_victim, victim_done, install)
         with trio.fail_after(20):
             async with open_libp2p_host(WalletKey(bytes(31) + b"\x23"), "/ip4/127.0.0.1/tcp/0") as peer:
                 await peer.connect(target.listen_multiaddrs()[0] + f"/p2p/{target.peer_id}")
