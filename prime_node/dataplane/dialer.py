@@ -96,11 +96,20 @@ class ChannelDialer:
         self.p2p: P2PHost | None = None
 
     def can_fall_back(self, target: DialTarget) -> bool:
-        return (
-            self.p2p is not None
-            and target.peer_id is not None
-            and self.relay_memo.may_try(target.address, trio.current_time())
+        """A libp2p stream to ``target`` may carry a channel now: we know its libp2p ID, and it was not
+        found behind a relay lately, unless a direct connection to it has come up since (a hole punch
+        typically lands a few seconds after the relayed connection it upgrades)."""
+        if self.p2p is None or target.peer_id is None:
+            return False
+        return self.relay_memo.may_try(target.address, trio.current_time()) or self.p2p.directly_connected(
+            target.peer_id
         )
+
+    def may_open(self, target: DialTarget) -> bool:
+        """Whether ``open`` has a way to try now (its TCP port, not paused, or the fallback): callers
+        skip a dial that could only fail with "no way to reach"."""
+        tcp = target.direct and self.memo.may_try(target.address, trio.current_time())
+        return tcp or self.can_fall_back(target)
 
     async def open(self, target: DialTarget) -> AuthenticatedChannel:
         """A channel to ``target.address`` (module doc); ChannelError if neither way reaches it."""

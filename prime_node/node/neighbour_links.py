@@ -172,7 +172,7 @@ class NeighbourLinks:
                     raise NodeError("the peer closed the link", reason="closed")
                 answer = self._decode(peer_id, raw)
         except (NodeError, trio.TooSlowError) as exc:
-            log.info("link to %s not opened: %s", peer_id, exc or type(exc).__name__)
+            log.info("link to %s not opened: %s", peer_id, str(exc) or type(exc).__name__)
             self.metrics.count("neighbour_open_failures")
             self.overlay.refused(peer_id, self.clock.now(), answered=False)
             return

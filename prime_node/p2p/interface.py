@@ -143,6 +143,10 @@ class P2PHost(Protocol):
 
     def connected_peers(self) -> list[str]: ...
 
+    def directly_connected(self, peer_id: str) -> bool:
+        """A connection to ``peer_id`` that no relay carries is open (dialled, or hole-punched)."""
+        ...
+
     def set_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
         """Serve ``protocol_id``: ``handler`` runs once per inbound stream and owns it."""
         ...

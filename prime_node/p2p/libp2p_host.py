@@ -46,12 +46,13 @@ from prime_node.p2p.nat_relay import (
     connection_kinds,
     dial_relayed,
     fresh_dial_check,
+    has_direct_connection,
     is_relayed,
     relayed_addrs,
     reserve,
 )
 from prime_node.p2p.provider_guard import ProviderGuard
-from prime_node.p2p.yamux_tuning import tune_yamux, whole_writes
+from prime_node.p2p.yamux_tuning import credit_per_half_window, tune_yamux, whole_writes
 from protocol.connection_admission import ConnectionLimits
 from protocol.reachability import DialbackLimiter, verdict
 
@@ -306,6 +307,13 @@ class Libp2pHost:
 
     def connected_peers(self) -> list[str]:
         return sorted(str(p) for p in self._host.get_connected_peers())
+
+    def directly_connected(self, peer_id: str) -> bool:
+        try:
+            return has_direct_connection(self._host, peer_id)
+        except Exception:  # a malformed ID, or py-libp2p's bookkeeping mid-change: not known to be direct
+            log.debug("could not tell whether %s is directly connected", peer_id, exc_info=True)
+            return False
 
     def set_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
         from libp2p.custom_types import TProtocol
@@ -679,7 +687,8 @@ def _build_host(
 
     # yamux closer to go-yamux (prime_node/p2p/yamux_tuning.py): fewer window updates, and a message is
     # written whole or its stream ends.
-    tune_yamux(os.environ)
+    if tune_yamux(os.environ):
+        credit_per_half_window()
     whole_writes()
     key_pair = create_new_key_pair(key.secret)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)

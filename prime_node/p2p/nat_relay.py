@@ -142,6 +142,13 @@ def connection_kinds(host: Any) -> tuple[int, int]:
     return direct, relayed
 
 
+def has_direct_connection(host: Any, peer_id: str) -> bool:
+    """Whether one of the host's connections to ``peer_id`` (base58) goes through no relay."""
+    from libp2p.peer.id import ID
+
+    return any(not is_relayed(c) for c in host.get_network().get_connections(ID.from_base58(peer_id)))
+
+
 async def reserve(host: Any, parts: RelayParts, relay_peer_id: str, nursery: trio.Nursery) -> str:
     """Reserve a slot on a connected relay; our relayed multiaddr, or ConnectionError why not."""
     from libp2p.peer.id import ID

@@ -153,7 +153,7 @@ class DataPlane:
         if self._nursery is None or peer in self.links or peer in self.dialing or peer in self.banned:
             return
         target = DialTarget(peer, host, port, peer_id)
-        if not target.direct and not self.dialer.can_fall_back(target):
+        if not self.dialer.may_open(target):
             return
         self.dialing.add(peer)
         self._nursery.start_soon(self._dial, target)

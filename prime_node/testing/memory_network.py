@@ -155,6 +155,9 @@ class MemoryHost:
     def connected_peers(self) -> list[str]:
         return sorted(self.connections)
 
+    def directly_connected(self, peer_id: str) -> bool:
+        return peer_id in self.connections and frozenset((self._peer_id, peer_id)) not in self.network.relayed
+
     def mark_known(self, peer_id: str, *, known: bool = True) -> None:
         if known:
             self.known.add(peer_id)

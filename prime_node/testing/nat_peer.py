@@ -90,6 +90,8 @@ def _logging(libp2p_debug: bool) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logging.getLogger("prime_node.p2p").setLevel(logging.INFO)
     logging.getLogger("prime_node.node").setLevel(logging.INFO)
+    logging.getLogger("prime_node.dataplane").setLevel(logging.INFO)
+    logging.getLogger("prime_node.swarm").setLevel(logging.INFO)
     if libp2p_debug:
         # py-libp2p's logger does not propagate (libp2p_host.quiet_libp2p_logs): give its relay parts a
         # handler of their own.

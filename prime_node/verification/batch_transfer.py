@@ -313,7 +313,7 @@ class BatchTransfer:
 
     async def _attempt(self, holder: Holder, batch_id: bytes, size: int) -> bytes | None:
         target = DialTarget(holder.address, self.host_of(holder.address), holder.port, holder.peer_id)
-        if not target.direct and not self.dialer.can_fall_back(target):
+        if not self.dialer.may_open(target):
             self.counts["holder_unreachable"] += 1
             return None
         deadline = self.settings.attempt_grace_s + size / self.settings.min_rate

@@ -236,6 +236,23 @@ async def test_relayed_connections_carry_no_bulk_bytes_by_default(
         assert b.plane.stats.relayed_refused == 2 and b.plane.inbound == 0 and not b.events
 
 
+async def test_a_peer_found_behind_a_relay_is_dialled_again_as_soon_as_a_direct_connection_comes_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Hole punching upgrades a relayed connection seconds after it opened: the relay pause (a minute)
+    must not keep the data plane off the direct connection that replaced it."""
+    async with planes(2) as (hosts, _, (a, b)):
+        hosts.relayed.add(frozenset((a.host.peer_id, b.host.peer_id)))
+        dial(a, b, NOBODY)
+        await settle()
+        assert not a.plane.links and a.plane.stats.relayed_refused == 1
+        hosts.relayed.clear()  # the hole punch succeeded
+        dial(a, b, NOBODY)
+        await settle()
+        assert a.plane.links[b.address].route == "libp2p" and a.plane.stats.fallback_channels == 1
+        assert trio.current_time() < RETRY_BASE  # well within the relay pause
+
+
 async def test_relayed_streams_are_counted_apart(autojump_clock: trio.testing.MockClock) -> None:
     async with planes(2, relayed_fallback=True) as (hosts, _, (a, b)):
         hosts.relayed.add(frozenset((a.host.peer_id, b.host.peer_id)))

@@ -41,6 +41,16 @@ async def test_connect_reports_the_authenticated_peer_on_both_sides(opener: Open
         assert a.connected_peers() == [b.peer_id]
 
 
+async def test_a_dialled_connection_is_direct_and_a_stranger_is_not(opener: Opener) -> None:
+    async with pair(opener) as (a, b):
+        stranger = WalletKey.generate()
+        async with opener(stranger) as c:
+            assert not a.directly_connected(b.peer_id) and not a.directly_connected(c.peer_id)
+            await a.connect(b.listen_multiaddrs()[0])
+            assert a.directly_connected(b.peer_id) and not a.directly_connected(c.peer_id)
+            assert not a.directly_connected("not-a-peer-id")
+
+
 async def test_framed_streams_carry_frames_both_ways_and_refuse_oversized_ones(opener: Opener) -> None:
     async with pair(opener) as (a, b):
         seen_peers: list[str] = []

@@ -1,6 +1,7 @@
 """yamux with window credit returned per half window (prime_node/p2p/yamux_tuning.py): a user's own
 setting wins, and two real hosts on loopback still move many small frames and frames far larger than the
-256 KiB window both ways without stalling, with about half as many WINDOW_UPDATEs as reads."""
+256 KiB window both ways without stalling, with a WINDOW_UPDATE per half window read, not per read; and
+a message is written whole or its stream is reset."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ OPEN = functools.partial(open_libp2p_host, listen="/ip4/127.0.0.1/tcp/0")
 
 def test_the_switch_is_set_unless_the_user_set_it() -> None:
     environ: dict[str, str] = {}
-    tune_yamux(environ)
+    assert tune_yamux(environ)
     assert environ == {RELEASE_ON_READ: "0"}
     mine = {RELEASE_ON_READ: "1"}
-    tune_yamux(mine)
+    assert not tune_yamux(mine)
     assert mine == {RELEASE_ON_READ: "1"}
 
 
@@ -60,7 +61,10 @@ async def test_small_and_window_sized_frames_flow_both_ways(monkeypatch: pytest.
             + muxed._window_update_full_grow
             + muxed._window_update_pending_flush
         )
-        assert updates < 0.75 * 600  # one per read with the switch on; ~every other read with it off
+        # 600 × 1 KiB + 2 × 3 MiB read: credit goes back per half window (128 KiB, and more as the window
+        # auto-tunes), not per read (py-libp2p's own rule answered ~every other read: 306)
+        assert updates <= 20, updates  # 9 measured
+        assert muxed._window_update_partial_slack == 0
         await stream.close()
 
 
