@@ -734,11 +734,13 @@ def run_torrent_phase(setup: Setup, *, cold: bool) -> dict[str, Any]:
     return result
 
 
-def _cli_argv(setup: Setup, peer: NetPeer, data: Path) -> list[str]:
-    """The flags every ``prime-node`` process of the cold phase takes (what a user passes)."""
+def _cli_argv(setup: Setup, peer: NetPeer, data: Path, *, wallet: bool = True) -> list[str]:
+    """The flags every ``prime-node`` process of the cold phase takes (what a user passes); ``wallet``:
+    with its keystore (a fetch without keystore flags runs under a throwaway identity)."""
+    keystore = ["--keystore", str(setup.keystores[peer.index]), "--password-env", PASSWORD_ENV]
     return ["--listen", f"/ip4/{peer.address}/tcp/{P2P_PORT}", "--dataplane-host", peer.address,
-            "--dataplane-port", str(DATA_PORT), "--keystore", str(setup.keystores[peer.index]),
-            "--password-env", PASSWORD_ENV, "--data-dir", str(data), "--run", "bench", "--json"]  # fmt: skip
+            "--dataplane-port", str(DATA_PORT), *(keystore if wallet else []), "--data-dir", str(data),
+            "--run", "bench", "--json"]  # fmt: skip
 
 
 def run_cold_phase(setup: Setup, *, ephemeral: bool = False) -> dict[str, Any]:
@@ -774,8 +776,9 @@ def run_cold_phase(setup: Setup, *, ephemeral: bool = False) -> dict[str, Any]:
             for peer in lab.peers[1:]:
                 argv = [*cli, "fetch", mid, "--out", str(stores / f"p{peer.index}" / "out"),
                         "--trainer", setup.addresses[0], "--bootstrap", bootstrap,
-                        "--seed-until", setup.fetch_seed_until, *(["--ephemeral-key"] if ephemeral else []),
-                        *_cli_argv(setup, peer, stores / f"p{peer.index}" / "data")]  # fmt: skip
+                        "--seed-until", setup.fetch_seed_until,
+                        *_cli_argv(setup, peer, stores / f"p{peer.index}" / "data",
+                                   wallet=not ephemeral)]  # fmt: skip
                 procs.append(start(lab, peer, argv, env, log, f"p{peer.index}"))
             deadline = started + setup.timeout
             finished: dict[int, float] = {}
@@ -926,7 +929,7 @@ def run_alternatives(
             result["libtorrent_cold_ratio_to_bound"] = _ratio(theirs["broadcast_s"], bound)
             if ours["broadcast_s"] and theirs["broadcast_s"]:
                 result["cold_ratio_to_libtorrent"] = round(ours["broadcast_s"] / theirs["broadcast_s"], 3)
-        if ephemeral:  # fetch --ephemeral-key: no keystore unlock
+        if ephemeral:  # fetch without keystore flags (a throwaway identity): no keystore unlock
             light = run_cold_phase(setup, ephemeral=True)
             result["cold_ephemeral"] = light
             result["cold_ephemeral_s"] = light["broadcast_s"]
@@ -972,8 +975,8 @@ def main() -> None:
     parser.add_argument("--skip-libtorrent", action="store_true", help="no libtorrent baseline (warm, cold)")
     parser.add_argument("--skip-cold", action="store_true", help="no cold share/fetch (and libtorrent) phase")
     parser.add_argument("--skip-tcp", action="store_true", help="no plain-TCP CPU baseline")
-    parser.add_argument("--cold-ephemeral", action="store_true", help="also time the cold fetches with "
-                        "--ephemeral-key (no keystore unlock)")  # fmt: skip
+    parser.add_argument("--cold-ephemeral", action="store_true", help="also time the cold fetches as a user "
+                        "types them, without keystore flags (a throwaway identity, no unlock)")  # fmt: skip
     parser.add_argument("--cold-compare-seed-until", nargs="*", default=[], help="run the cold phase again "
                         "with each of these --seed-until values (e.g. done)")  # fmt: skip
     parser.add_argument("--fetch-seed-until", default="swarm", help="cold phase: fetch's --seed-until "

@@ -15,7 +15,10 @@ quiet window:
 
 Next to the nodes-seeing-all curve, ``missing_peer_entries_after_last_join`` says why the others do not
 (no record of the peer yet, a neighbour whose beats are late, a non-neighbour whose records are late,
-dead), and ``neighbour_counters_at_formation`` sums the nodes' neighbour-link counters (opens that failed,
+dead), ``formation_cpu_s_per_node`` and ``machine_busy_during_formation`` say what the nodes spent from
+the last join to formation (on 2 shared cores, formation cannot beat that work over the cores),
+``connections_per_node_at_formation`` counts each process's established TCP sockets, and
+``neighbour_counters_at_formation`` sums the nodes' neighbour-link counters (opens that failed,
 links lost without a ``bye``, links closed as silent). ``--keep DIR`` keeps every node's directory with an
 info-level log.
 
@@ -126,6 +129,33 @@ def _socket_bytes(pids: list[int]) -> int:
     return total
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far (/proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot (/proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def _connections_per_node(pids: list[int]) -> float:
+    """Established TCP sockets held by ``pids``, per process (libp2p connections, with a few API ones)."""
+    wanted = {str(p) for p in pids}
+    out = subprocess.run(
+        ["ss", "-tnpH", "state", "established"], capture_output=True, text=True, check=True
+    ).stdout
+    held = sum(bool(wanted & set(re.findall(r"pid=(\d+)", line))) for line in out.splitlines())
+    return held / max(len(pids), 1)
+
+
 def _missing(snapshots: list[dict[str, Any]], n: int) -> dict[str, int]:
     """Peer entries missing from the nodes that do not see all, by kind: ``unknown`` (no record of the
     peer yet), ``neighbour_unhealthy`` (a linked neighbour whose beats are late), ``unhealthy`` (a
@@ -160,6 +190,9 @@ def measure(
             for d in dirs[1:]:
                 _node_file(d, started + timeout)
             all_up = time.monotonic() - started
+            pids = [p.pid for p in processes]
+            cpu_at_last_join, ticks_at_last_join = _cpu_seconds(pids), _machine_ticks()
+            cpu_at_formation, ticks_at_formation = cpu_at_last_join, ticks_at_last_join
             healthy: list[int] = []
             formed_at = None
             progress: list[tuple[float, int]] = []  # (seconds after the last join, nodes that see all)
@@ -181,6 +214,7 @@ def measure(
                         missing.append((round(swept_at - all_up, 1), _missing(snapshots, n)))
                     if complete == n:
                         formed_at = swept_at
+                        cpu_at_formation, ticks_at_formation = _cpu_seconds(pids), _machine_ticks()
                         break
                     time.sleep(0.25)
             result: dict[str, Any] = {
@@ -203,6 +237,14 @@ def measure(
                 log_tail = (dirs[worst] / "stderr.log").read_text(errors="replace")[-1500:]
                 result["worst_node_log_tail"] = log_tail
                 return result
+            # What the nodes spent between the last join and formation (the benchmark's status polls
+            # included): on a saturated machine formation cannot be faster than this work over the cores.
+            busy = ticks_at_formation[0] - ticks_at_last_join[0]
+            result["formation_cpu_s_per_node"] = round((cpu_at_formation - cpu_at_last_join) / n, 3)
+            result["machine_busy_during_formation"] = round(
+                busy / max(ticks_at_formation[1] - ticks_at_last_join[1], 1), 3
+            )
+            result["connections_per_node_at_formation"] = round(_connections_per_node(pids), 1)
             before = [_snapshot(d)["counters"] for d in dirs]
             result["neighbour_counters_at_formation"] = {
                 name: sum(c.get(name, 0) for c in before)

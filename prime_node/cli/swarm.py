@@ -124,13 +124,16 @@ def fetch(
         ),
     ] = "swarm",
     ephemeral_key: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            "--ephemeral-key",
-            help="Fetch under a throwaway identity: no keystore to unlock (fetching signs nothing); peers "
-            "see a new address each run.",
+            "--ephemeral-key/--wallet-key",
+            help="Fetch under a throwaway identity (no keystore to unlock: fetching signs nothing; peers "
+            "see a new address each run), or under the node's wallet. Default: the wallet when a keystore "
+            "flag (--keystore, --password-file, --password-env, --no-password, --new-wallet) is given, "
+            "else a throwaway identity.",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
     as_json: JsonOption = False,
     node: NodeFlags = DEFAULT_FLAGS,
     run: RunOption = "demo",
@@ -218,13 +221,22 @@ def fetch(
     _run(config, key, swarm, body, until_signal=policy.mode == "never")
 
 
+def _keystore_flags_given(node: NodeFlags) -> bool:
+    """Whether the command line names a keystore or how to unlock one: then ``fetch`` runs under the
+    wallet (a fetch signs nothing, so without such a flag it needs no wallet, and no password prompt)."""
+    return bool(
+        node.keystore or node.password_file or node.password_env or node.no_password or node.new_wallet
+    )
+
+
 class _KeyInBackground:
     """The node's key, unlocked in a worker thread while the caller imports (when no password prompt can
-    appear: a prompt must own the terminal); ``ephemeral``: a fresh key, nothing to unlock."""
+    appear: a prompt must own the terminal); ``ephemeral``: a fresh key, nothing to unlock (None: so unless
+    a keystore flag was given)."""
 
-    def __init__(self, node: NodeFlags, *, ephemeral: bool) -> None:
+    def __init__(self, node: NodeFlags, *, ephemeral: bool | None) -> None:
         self.node = node
-        self.ephemeral = ephemeral
+        self.ephemeral = not _keystore_flags_given(node) if ephemeral is None else ephemeral
         self.pool: ThreadPoolExecutor | None = None
         self.future: Future[WalletKey] | None = None
 

@@ -76,6 +76,24 @@ def test_share_then_fetch_writes_identical_bytes_and_the_failures_are_one_line(
     assert result["manifest_id"] == mid and result["step"] == 9 and result["bytes"] == share["bytes"]
     assert read_tree(tmp_path / "out") == read_tree(model)
 
+    # No keystore flag: a throwaway identity, no keystore made or asked for (a fetch signs nothing) ...
+    boot = str(share["multiaddrs"][0])  # type: ignore[index]
+    anonymous = run(
+        cli("fetch", mid, "--out", str(tmp_path / "plain"), "--bootstrap", boot,
+            "--data-dir", str(tmp_path / "d-plain"), *NET),
+        timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert anonymous.returncode == 0, anonymous.stderr
+    assert read_tree(tmp_path / "plain") == read_tree(model)
+    assert not (tmp_path / "d-plain" / "keystore.json").exists()
+    # ... and --wallet-key insists on the wallet: there is none in that data dir.
+    insisted = run(
+        cli("fetch", mid, "--out", str(tmp_path / "plain2"), "--bootstrap", boot,
+            "--data-dir", str(tmp_path / "d-plain"), *NET, "--wallet-key"),
+        timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert insisted.returncode == 1 and "no keystore at" in insisted.stderr.strip().splitlines()[-1]
+
     # The output exists already: refused before anything is downloaded.
     again = run(fetch(tmp_path, "out", mid, share), timeout=60)
     assert again.returncode == 1 and again.stderr.strip().splitlines()[-1].startswith("error: ")
