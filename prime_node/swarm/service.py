@@ -133,6 +133,8 @@ class SwarmService:
         self._nursery: trio.Nursery | None = None
         self._port: int | None = None
         self._building: dict[bytes, trio.Event] = {}
+        self._opening: dict[bytes, trio.Event] = {}
+        """Versions whose piece store is being opened (in a worker thread): set when it is held, or not."""
         """Full versions being obtained through deltas (or their fallback), by id: set when that ends."""
         self._building_step: dict[bytes, int] = {}
         """The step of the delta each of those goes through: a rebuild only waits for an older one, so
@@ -377,7 +379,7 @@ class SwarmService:
                 return await self._fetch_via_delta(manifest, out)
             version = self.versions.get(manifest_id)
             if version is None:
-                version = self._start_fetch(manifest, envelope, out)
+                version = await self._start_fetch(manifest, envelope, out)
         elif version.manifest.is_delta:
             return await self._fetch_via_delta(version.manifest, out)
         await version.done.wait()
@@ -444,11 +446,31 @@ class SwarmService:
         )
         return version
 
-    def _start_fetch(self, manifest: Manifest, envelope: Envelope, out: Path | None) -> Version:
-        version = self._hold(self.holdings.start_fetch(manifest, envelope, out))
+    async def _start_fetch(self, manifest: Manifest, envelope: Envelope, out: Path | None) -> Version:
+        """Hold ``manifest``'s version and fetch it (``Holdings.start_fetch``); a caller that comes while
+        its store is being opened gets the same version (``out`` is the first caller's)."""
+        mid = manifest.id()
+        while (opening := self._opening.get(mid)) is not None:
+            await opening.wait()
+        held = self.versions.get(mid)
+        if held is not None:
+            return held
+        opened = self._opening[mid] = trio.Event()
+        try:
+            version = self._hold(await self.holdings.start_fetch(manifest, envelope, out))
+        finally:
+            del self._opening[mid]
+            opened.set()
         if version.store is not None and version.store.complete:
             self.nursery.start_soon(self._finish, version)
         return version
+
+    async def _follow_full(self, manifest: Manifest, envelope: Envelope) -> None:
+        try:
+            await self._start_fetch(manifest, envelope, None)
+        except NodeError as exc:
+            log.warning("could not fetch checkpoint %s: %s", manifest.id().hex()[:16], exc)
+            self.catalogue.follow_ended(manifest.id())
 
     def _start_following(self, mid: bytes) -> None:
         """Fetch a version the catalogue follows, once its manifest proves it the trainer's, of our run."""
@@ -462,8 +484,8 @@ class SwarmService:
                 self.catalogue.follow_ended(mid)
             elif manifest.is_delta or self.holdings.delta_to(mid) is not None or mid in self._building:
                 self._follow_via_delta(manifest)
-            elif mid not in self.versions:
-                self._start_fetch(manifest, envelope, None)
+            elif mid not in self.versions and mid not in self._opening:
+                self.nursery.start_soon(self._follow_full, manifest, envelope)
         except NodeError as exc:
             log.warning("could not fetch checkpoint %s: %s", mid.hex()[:16], exc)
             self.catalogue.follow_ended(mid)
@@ -583,7 +605,8 @@ class SwarmService:
             envelope = self.known.get(delta_id)
             if envelope is None:
                 raise NodeError(f"no manifest for delta {delta_id.hex()}", reason="manifest_not_found")
-            fetched = self._start_fetch(delta, envelope, None)  # held now: its base stays while it waits
+            # held once this returns: its base stays while it waits
+            fetched = await self._start_fetch(delta, envelope, None)
         full_envelope, full = await self._target_manifest(delta, wait)
         await fetched.done.wait()
         if fetched.error is not None:
@@ -645,7 +668,7 @@ class SwarmService:
             raise NodeError(f"{target.hex()} names a delta, not a full version", reason="bad_delta")
         version = self.versions.get(target)
         if version is None:
-            version = self._start_fetch(manifest, envelope, out)
+            version = await self._start_fetch(manifest, envelope, out)
         await version.done.wait()
         if version.error is not None:
             raise version.error

@@ -1,0 +1,63 @@
+"""Opening a fetch's piece store (space reserved for every file, each piece a resumed store claims hashed
+again: up to a minute for a 62 GB checkpoint) happens in a worker thread, so the node's other tasks keep
+running meanwhile, and callers that ask for the same version while it opens share one store."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from crypto.keys import WalletKey
+from prime_node.swarm.checkpoint import build_checkpoint
+from prime_node.swarm.piece_store import PieceStore
+from prime_node.swarm.service import SwarmService
+from prime_node.testing.swarm_fixtures import write_model_dir
+
+SLOW_OPEN_S = 0.5
+
+
+async def test_a_slow_store_open_leaves_the_event_loop_running_and_is_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = WalletKey.generate()
+    model = write_model_dir(tmp_path / "model", weight_bytes=1 << 18, shards=2, seed=3)
+    shared = build_checkpoint(model, trainer, run="test", step=1, now_ms=0, piece_size=16 << 10)
+    swarm = SwarmService(
+        key=WalletKey.generate(), run_id="test", trainer=trainer.address, store_dir=tmp_path / "store"
+    )
+    opened: list[PieceStore] = []
+    real_open = PieceStore.open
+
+    def slow_open(root: Path, manifest: object) -> PieceStore:  # a disk that takes its time
+        time.sleep(SLOW_OPEN_S)
+        store = real_open(root, manifest)  # type: ignore[arg-type]
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(PieceStore, "open", slow_open)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await trio.sleep(0.01)
+            ticks += 1
+
+    versions = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tick)
+
+        async def start() -> None:
+            versions.append(await swarm._start_fetch(shared.manifest, shared.envelope, None))
+
+        async with trio.open_nursery() as starting:
+            starting.start_soon(start)
+            starting.start_soon(start)
+        nursery.cancel_scope.cancel()
+    assert ticks >= 10, ticks  # ~50 at 10 ms while the open took 0.5 s; 0 if it blocked the loop
+    assert len(opened) == 1 and versions[0] is versions[1] is swarm.versions[shared.manifest_id]
+    assert versions[0].store is opened[0] and versions[0].store.piece_count_held == 0
+    opened[0].close()
