@@ -133,13 +133,13 @@ class SwarmService:
         self._nursery: trio.Nursery | None = None
         self._port: int | None = None
         self._building: dict[bytes, trio.Event] = {}
-        self._opening: dict[bytes, trio.Event] = {}
-        """Versions whose piece store is being opened (in a worker thread): set when it is held, or not."""
         """Full versions being obtained through deltas (or their fallback), by id: set when that ends."""
         self._building_step: dict[bytes, int] = {}
         """The step of the delta each of those goes through: a rebuild only waits for an older one, so
         deltas a trainer signed in a circle (A from B, B from A) cannot make two rebuilds wait for each
         other."""
+        self._opening: dict[bytes, trio.Event] = {}
+        """Versions whose piece store is being opened (in a worker thread): set when it is held, or not."""
         self.reconstructions = 0
         self.bad_deltas = 0
         self.delta_bytes_in = 0
