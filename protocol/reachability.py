@@ -3,14 +3,17 @@
 A dial-back server dials a TCP connection to whoever asks, so it could be turned into a reflector that
 knocks on third parties. Three rules keep it harmless: it only ever dials the *requester's own observed
 IP* (the caller enforces that), at most ``MAX_DIALBACK_PORTS`` ports per request, and requests are
-rate-limited per peer and in total (``DialbackLimiter``). Relays are tried in the order given
-(bootstrap peers first), and one that refused us waits ``RELAY_RETRY_AFTER`` before it is tried again.
+rate-limited per peer and in total (``DialbackLimiter``). Whom to ask follows ``probe_order``: bootstrap
+peers first, then the other connected peers in an order of the asking node's own, so the swarm's requests
+spread over its peers instead of all landing on the same few. Relays are tried in the order given, and
+one that refused us waits ``RELAY_RETRY_AFTER`` before it is tried again.
 
 Pure: callers pass ``now`` (seconds from any monotonic clock) and act on the answers.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +55,24 @@ class DialbackLimiter:
         while len(self._last) > self.tracked_peers:
             self._last.popitem(last=False)
         return True
+
+
+def probe_order(
+    own_peer_id: str, preferred: Sequence[str], connected: Iterable[str], limit: int
+) -> list[str]:
+    """At most ``limit`` connected peers to ask for a dial-back: the ``preferred`` (bootstrap) ones first,
+    in their order, then the others ranked by a hash of both peer IDs. The rank is stable for one node
+    and differs between nodes; sorted by ID instead, every node's first choice after a bootstrap that
+    rate-limited it was the same peer, which then spent seconds dialling back half a 64-node swarm and
+    lost all its neighbours' beats meanwhile."""
+    connected = set(connected)
+    first = [peer for peer in dict.fromkeys(preferred) if peer in connected]
+    others = connected.difference(first)
+
+    def rank(peer: str) -> bytes:
+        return hashlib.blake2b(f"{own_peer_id}/{peer}".encode(), digest_size=8).digest()
+
+    return (first + sorted(others, key=lambda peer: (rank(peer), peer)))[:limit]
 
 
 def dialback_ports(ports: Iterable[int]) -> list[int]:

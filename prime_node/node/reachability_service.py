@@ -20,7 +20,7 @@ import trio
 from prime_node.errors import NodeError
 from prime_node.node.context import NodeContext
 from prime_node.p2p.nat import Reachability, probe_reachability
-from protocol.reachability import RelayPicker, Status, combine, should_reserve
+from protocol.reachability import RelayPicker, Status, combine, probe_order, should_reserve
 
 log = logging.getLogger(__name__)
 SECTION = "reachability"
@@ -66,10 +66,9 @@ class ReachabilityService:
             await trio.sleep(RECHECK_INTERVAL if settled else RETRY_INTERVAL)
 
     def _candidates(self, context: NodeContext) -> list[str]:
-        connected = set(context.host.connected_peers())
-        first = [p for p in self.preferred if p in connected]
-        rest = sorted(connected - set(first))
-        return (first + rest)[:PROBE_CANDIDATES]
+        return probe_order(
+            context.host.peer_id, self.preferred, context.host.connected_peers(), PROBE_CANDIDATES
+        )
 
     async def round(self, context: NodeContext) -> bool:
         """One probe and, if needed, one reservation attempt; True when nothing is left to do for now."""

@@ -20,6 +20,8 @@ from tests.p2p.helpers import make_config, start_node, wait_until
 class PrivateHost:
     """A host behind NAT: every probe says private; ``refusing`` relays refuse reservations."""
 
+    peer_id = "me"
+
     def __init__(self, peers: list[str], refusing: set[str]) -> None:
         self.peers = peers
         self.refusing = refusing

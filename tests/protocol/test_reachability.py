@@ -1,6 +1,11 @@
-"""The pure NAT rules: dial-back admission, verdicts, when to reserve, which relay to try."""
+"""The pure NAT rules: dial-back admission, whom to ask, verdicts, when to reserve, which relay to try."""
 
 from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given
+from hypothesis import strategies as st
 
 from protocol.reachability import (
     MAX_DIALBACK_PORTS,
@@ -8,9 +13,40 @@ from protocol.reachability import (
     RelayPicker,
     combine,
     dialback_ports,
+    probe_order,
     should_reserve,
     verdict,
 )
+
+PEER_IDS = st.text(alphabet="abcdefgh123", min_size=1, max_size=6)
+
+
+@given(
+    own=PEER_IDS,
+    preferred=st.lists(PEER_IDS, max_size=4),
+    connected=st.sets(PEER_IDS, max_size=20),
+    limit=st.integers(0, 24),
+)
+def test_probe_order_puts_connected_bootstraps_first_then_every_other_peer_once(
+    own: str, preferred: list[str], connected: set[str], limit: int
+) -> None:
+    order = probe_order(own, preferred, connected, limit)
+    first = [p for p in dict.fromkeys(preferred) if p in connected]
+    assert len(order) == len(set(order)) == min(limit, len(connected))
+    assert set(order) <= connected
+    assert order[: len(first)] == first[:limit]  # bootstrap peers lead, in the order given
+    assert order == probe_order(own, preferred, sorted(connected, reverse=True), limit)  # input order free
+
+
+def test_a_swarm_spreads_its_dial_back_requests_instead_of_asking_the_same_peer() -> None:
+    """64 nodes all connected to each other and to one bootstrap: by peer ID every node's first choice
+    after the bootstrap was the same peer (64 requests); ranked per node, no peer gets more than a few."""
+    nodes = [f"16Uiu2HAm{i:04d}" for i in range(64)]
+    choices = Counter(
+        probe_order(own, ["boot"], ["boot", *(p for p in nodes if p != own)], 2)[1] for own in nodes
+    )
+    assert max(choices.values()) <= 6, choices.most_common(3)
+    assert len(choices) >= 32
 
 
 def test_limiter_allows_one_probe_per_peer_per_interval_and_a_bounded_burst_in_all() -> None:
