@@ -23,6 +23,9 @@ pytestmark = pytest.mark.slow
 DEADLINE_S = float(os.environ.get("NAT_SWARM_DEADLINE", "420"))
 
 
+# The swarm's own deadline must come first: its NatSwarmError names what was missing and carries the
+# nodes' log tails, where pytest-timeout's default (300 s, below DEADLINE_S) only dumps thread stacks.
+@pytest.mark.timeout(DEADLINE_S + 120)
 def test_two_inferers_behind_nat_fetch_checkpoints_and_get_rollouts_validated_and_trained_on(
     tmp_path: Path,
 ) -> None:
