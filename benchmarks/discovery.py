@@ -112,21 +112,23 @@ def _snapshot(data_dir: Path) -> dict[str, Any]:
     raise AssertionError("unreachable")
 
 
-def _socket_bytes(pids: list[int]) -> int:
-    """Bytes sent + received on the established TCP sockets of ``pids`` (from ``ss -tinp``)."""
+def _sockets(pids: list[int]) -> tuple[int, int]:
+    """(established TCP sockets held by ``pids``, bytes sent + received on them), from ``ss -tinp``."""
     wanted = {str(p) for p in pids}
     out = subprocess.run(
         ["ss", "-tinpH", "state", "established"], capture_output=True, text=True, check=True
     ).stdout
-    total, owner_matches = 0, False
+    held = total = 0
+    owner_matches = False
     for line in out.splitlines():
         if "users:(" in line:
             owner_matches = bool(wanted & set(re.findall(r"pid=(\d+)", line)))
+            held += owner_matches
         elif owner_matches:
             for field in ("bytes_sent", "bytes_received"):
                 found = re.search(rf"\b{field}:(\d+)", line)
                 total += int(found.group(1)) if found else 0
-    return total
+    return held, total
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -144,16 +146,6 @@ def _machine_ticks() -> tuple[int, int]:
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = values[3] + values[4]  # idle + iowait
     return sum(values) - idle, sum(values)
-
-
-def _connections_per_node(pids: list[int]) -> float:
-    """Established TCP sockets held by ``pids``, per process (libp2p connections, with a few API ones)."""
-    wanted = {str(p) for p in pids}
-    out = subprocess.run(
-        ["ss", "-tnpH", "state", "established"], capture_output=True, text=True, check=True
-    ).stdout
-    held = sum(bool(wanted & set(re.findall(r"pid=(\d+)", line))) for line in out.splitlines())
-    return held / max(len(pids), 1)
 
 
 def _missing(snapshots: list[dict[str, Any]], n: int) -> dict[str, int]:
@@ -244,16 +236,16 @@ def measure(
             result["machine_busy_during_formation"] = round(
                 busy / max(ticks_at_formation[1] - ticks_at_last_join[1], 1), 3
             )
-            result["connections_per_node_at_formation"] = round(_connections_per_node(pids), 1)
             before = [_snapshot(d)["counters"] for d in dirs]
             result["neighbour_counters_at_formation"] = {
                 name: sum(c.get(name, 0) for c in before)
                 for name in sorted({k for c in before for k in c if k.startswith("neighbour")})
             }
-            io_before = _socket_bytes([p.pid for p in processes])
+            connections, io_before = _sockets(pids)
+            result["connections_per_node_at_formation"] = round(connections / n, 1)
             time.sleep(WINDOW)
             after = [_snapshot(d)["counters"] for d in dirs]
-            io_after = _socket_bytes([p.pid for p in processes])
+            io_after = _sockets(pids)[1]
 
             def rate(name: str) -> float:
                 total: int = sum(a.get(name, 0) - b.get(name, 0) for a, b in zip(after, before, strict=True))
