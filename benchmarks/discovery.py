@@ -17,6 +17,9 @@ Next to the nodes-seeing-all curve, ``missing_peer_entries_after_last_join`` say
 (no record of the peer yet, a neighbour whose beats are late, a non-neighbour whose records are late,
 dead), ``formation_cpu_s_per_node`` and ``machine_busy_during_formation`` say what the nodes spent from
 the last join to formation (on 2 shared cores, formation cannot beat that work over the cores),
+``bootstrap_busy_during_formation`` says how much of one core the bootstrap used then (every
+joiner's first peer: the hot spot, if there is one), ``link_traffic_per_node_during_formation`` counts
+the neighbour frames and peer records each node sent and received in that time,
 ``connections_per_node_at_formation`` counts each process's established TCP sockets, and
 ``neighbour_counters_at_formation`` sums the nodes' neighbour-link counters (opens that failed,
 links lost without a ``bye``, links closed as silent). ``--keep DIR`` keeps every node's directory with an
@@ -49,6 +52,8 @@ from typing import Any
 DEFAULT_HEARTBEAT_INTERVAL = 2.0
 WINDOW = 10.0
 MAX_NODES = 256
+LINK_TRAFFIC = ("heartbeats_sent", "heartbeat_frames_in", "records_sent", "records_in", "records_new")
+"""Neighbour-link counters summed from the first sweep after the last join to formation (per node)."""
 
 
 def _join(data_dir: Path, bootstrap: str | None, interval: float) -> subprocess.Popen[bytes]:
@@ -148,6 +153,18 @@ def _machine_ticks() -> tuple[int, int]:
     return sum(values) - idle, sum(values)
 
 
+def _per_node_growth(
+    first: list[dict[str, int]], last: list[dict[str, int]], names: tuple[str, ...]
+) -> dict[str, float]:
+    """How much each counter in ``names`` grew from ``first`` to ``last``, per node."""
+    return {
+        name: round(
+            sum(b.get(name, 0) - a.get(name, 0) for a, b in zip(first, last, strict=True)) / len(last), 1
+        )
+        for name in names
+    }
+
+
 def _missing(snapshots: list[dict[str, Any]], n: int) -> dict[str, int]:
     """Peer entries missing from the nodes that do not see all, by kind: ``unknown`` (no record of the
     peer yet), ``neighbour_unhealthy`` (a linked neighbour whose beats are late), ``unhealthy`` (a
@@ -184,11 +201,14 @@ def measure(
             all_up = time.monotonic() - started
             pids = [p.pid for p in processes]
             cpu_at_last_join, ticks_at_last_join = _cpu_seconds(pids), _machine_ticks()
+            bootstrap_at_last_join = _cpu_seconds(pids[:1])
             cpu_at_formation, ticks_at_formation = cpu_at_last_join, ticks_at_last_join
+            bootstrap_at_formation = bootstrap_at_last_join
             healthy: list[int] = []
             formed_at = None
             progress: list[tuple[float, int]] = []  # (seconds after the last join, nodes that see all)
             missing: list[tuple[float, dict[str, int]]] = []  # why the others do not, at the same times
+            first_counters: list[dict[str, int]] | None = None  # at the first sweep after the last join
             with ThreadPoolExecutor(max_workers=16) as pool:  # one sweep must not take longer than a beat
                 while time.monotonic() - started < timeout:
                     dead = [i for i, p in enumerate(processes) if p.poll() is not None]
@@ -199,6 +219,8 @@ def measure(
                         )
                     swept_at = time.monotonic() - started
                     snapshots = list(pool.map(_snapshot, dirs))
+                    if first_counters is None:
+                        first_counters = [snap["counters"] for snap in snapshots]
                     healthy = [sum(p["state"] == "healthy" for p in snap["peers"]) for snap in snapshots]
                     complete = sum(h == n - 1 for h in healthy)
                     if not progress or progress[-1][1] != complete:
@@ -207,6 +229,7 @@ def measure(
                     if complete == n:
                         formed_at = swept_at
                         cpu_at_formation, ticks_at_formation = _cpu_seconds(pids), _machine_ticks()
+                        bootstrap_at_formation = _cpu_seconds(pids[:1])
                         break
                     time.sleep(0.25)
             result: dict[str, Any] = {
@@ -233,6 +256,10 @@ def measure(
             # included): on a saturated machine formation cannot be faster than this work over the cores.
             busy = ticks_at_formation[0] - ticks_at_last_join[0]
             result["formation_cpu_s_per_node"] = round((cpu_at_formation - cpu_at_last_join) / n, 3)
+            # The bootstrap is every joiner's first peer; one process can use one core at most.
+            result["bootstrap_busy_during_formation"] = round(
+                (bootstrap_at_formation - bootstrap_at_last_join) / max(formed_at - all_up, 1e-9), 3
+            )
             result["machine_busy_during_formation"] = round(
                 busy / max(ticks_at_formation[1] - ticks_at_last_join[1], 1), 3
             )
@@ -241,6 +268,9 @@ def measure(
                 name: sum(c.get(name, 0) for c in before)
                 for name in sorted({k for c in before for k in c if k.startswith("neighbour")})
             }
+            result["link_traffic_per_node_during_formation"] = _per_node_growth(
+                first_counters or before, before, LINK_TRAFFIC
+            )
             connections, io_before = _sockets(pids)
             result["connections_per_node_at_formation"] = round(connections / n, 1)
             time.sleep(WINDOW)

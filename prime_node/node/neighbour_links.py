@@ -154,6 +154,7 @@ class NeighbourLinks:
                 link.scope.cancel()
 
     async def _open(self, peer_id: str) -> None:
+        stream: FramedStream | None = None
         try:
             if peer_id not in self.host.connected_peers() and self.own_peer_id > peer_id:
                 # With one connection allowed per peer, two peers dialling each other at once lose one
@@ -175,6 +176,11 @@ class NeighbourLinks:
             log.info("link to %s not opened: %s", peer_id, str(exc) or type(exc).__name__)
             self.metrics.count("neighbour_open_failures")
             self.overlay.refused(peer_id, self.clock.now(), answered=False)
+            if stream is not None:
+                # The peer may have welcomed us after all: a stream left open would be a link there
+                # that never carries a beat (it would judge us by them: dead 6 intervals later).
+                with trio.move_on_after(1), contextlib.suppress(NodeError):
+                    await stream.reset()
             return
         if answer is None or answer.kind not in (FrameKind.WELCOME, FrameKind.BUSY):
             self.overlay.refused(peer_id, self.clock.now())

@@ -58,6 +58,10 @@ LOCAL_FIELDS = ("model_dir", "output_dir")
 MAX_FRAME = MAX_CONFIG_BYTES + 4096
 ANNOUNCE_PERIOD = 5.0
 ASK_INTERVAL = 1.0
+UNPINNED_ASKS = 3
+"""Peers an unpinned follower asks at all. Only the trainer and pinned followers have an answer, and
+the trainer gossips every ``ANNOUNCE_PERIOD``; asking every peer cost each joiner a stream to each of
+its ~18 connected peers during a join burst (docs/benchmarks.md, *Discovery*), for no answer."""
 TASK_DIGEST = "task_file_sha256"
 """The announced config's extra field: the SHA-256 of the run's task file (not a RunConfig field)."""
 _TASK_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -321,13 +325,18 @@ class RunFollower(_Served):
         if self.trust.pinned is None:
             self._say(self.refusal())
         asked: set[str] = set()
+        unpinned_asks = 0
         async with trio.open_nursery() as asking:
             # Pinned: ask every peer until the trainer's announcement is believed (again and again: a
-            # peer may learn of the run later). Unpinned: ask each peer once while it stays connected,
-            # only to list who announces what; gossip brings the rest.
+            # peer may learn of the run later). Unpinned: ask the first few peers, only to list who
+            # announces what sooner; gossip brings the rest (``UNPINNED_ASKS``).
             while not self._known.is_set():
                 connected = set(context.host.connected_peers())
                 for peer in connected - asked:
+                    if self.trust.pinned is None:
+                        if unpinned_asks >= UNPINNED_ASKS:
+                            break
+                        unpinned_asks += 1
                     asked.add(peer)
                     asking.start_soon(self._ask, context, peer)
                 asked &= connected

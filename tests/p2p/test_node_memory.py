@@ -4,11 +4,17 @@ membership transitions, gap repair and scoring, deterministic and fast."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
 
-from prime_node.testing.memory_network import MemoryNetwork
+from crypto.identity import peer_id_from_public_key
+from crypto.keys import WalletKey
+from prime_node.node.neighbour_links import ANSWER_TIMEOUT, NEIGHBOUR_PROTOCOL
+from prime_node.p2p.interface import FramedStream
+from prime_node.testing.memory_network import MemoryHost, MemoryNetwork
 from protocol.membership import PeerState
 from tests.p2p.helpers import make_config, sees_all, start_node, wait_until
 
@@ -162,6 +168,68 @@ async def test_a_link_lost_without_a_bye_is_asked_again_and_the_live_peer_stays_
             first.metrics.counters["neighbour_rechecks"] + second.metrics.counters["neighbour_rechecks"] >= 1
         )
         nursery.cancel_scope.cancel()
+
+
+async def test_a_link_whose_opener_gave_up_waiting_is_not_left_open_at_the_peer(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """Seen at 64 processes: a loaded node's link open timed out while its peer had already welcomed it.
+    The opener left its stream open and never used it; the peer kept a link on which no beat would ever
+    come, judged the opener by its beats, and marked it unhealthy 3 intervals later and dead after 6 (back
+    only with its next record). The opener now resets the stream it gave up on: the peer's link ends, its
+    hello links the pair again, and the opener never looks unhealthy."""
+    network = MemoryNetwork()
+    stalled = [True]
+
+    @asynccontextmanager
+    async def stalled_host(key: WalletKey) -> AsyncIterator[MemoryHost]:
+        """The first neighbour answer reaches this host only after it gave up waiting."""
+        async with network.host(key) as host:
+            open_stream = host.open_stream
+
+            async def late_answer(peer_id: str, protocol_id: str) -> FramedStream:
+                stream = await open_stream(peer_id, protocol_id)
+                if protocol_id == NEIGHBOUR_PROTOCOL and stalled[0]:
+                    stalled[0] = False
+                    receive = stream.receive_frame
+
+                    async def late(max_size: int) -> bytes | None:
+                        await trio.sleep(ANSWER_TIMEOUT + 1)
+                        return await receive(max_size)
+
+                    stream.receive_frame = late  # type: ignore[method-assign]
+                return stream
+
+            host.open_stream = late_answer  # type: ignore[method-assign]
+            yield host
+
+    # The opener's retry must not replace the stale link by chance: of two links between a pair the one
+    # the smaller peer ID opened stays, so the opener gets the larger ID, and the peer never opens one.
+    first_key, second_key = sorted((WalletKey.generate() for _ in range(2)), key=_peer_id)
+    async with trio.open_nursery() as nursery:
+        first, _ = await start_node(
+            nursery, network.host, make_config(tmp_path, 0), key=first_key, serve_api=False
+        )
+        first.links.overlay.refused_by[_peer_id(second_key)] = trio.current_time() + 3600
+        second, _ = await start_node(
+            nursery,
+            stalled_host,
+            make_config(tmp_path, 1, bootstrap=(first.host.listen_multiaddrs()[0],)),
+            key=second_key,
+            serve_api=False,
+        )
+        pair = [first, second]
+        await wait_until(lambda: not stalled[0] and all(sees_all(n, pair) for n in pair), timeout=30)
+        for _ in range(12):  # past the 6 intervals after which a neighbour without beats is dead
+            await trio.sleep(first.config.heartbeat_interval)
+            assert all(sees_all(n, pair) for n in pair)
+        assert first.links.neighbours() == [second.identity.peer_id]
+        assert second.links.neighbours() == [first.identity.peer_id]
+        nursery.cancel_scope.cancel()
+
+
+def _peer_id(key: WalletKey) -> str:
+    return peer_id_from_public_key(key.public_key)
 
 
 async def test_a_quiet_link_is_closed_and_asked_again_only_once_its_connection_is_gone(
