@@ -177,8 +177,8 @@ class NeighbourLinks:
             self.metrics.count("neighbour_open_failures")
             self.overlay.refused(peer_id, self.clock.now(), answered=False)
             if stream is not None:
-                # The peer may have welcomed us after all: a stream left open would be a link there
-                # that never carries a beat (it would judge us by them: dead 6 intervals later).
+                # The peer may have welcomed us after all: left open, this stream would stay a link there
+                # on which we never beat, and the peer would mark us dead 6 intervals later.
                 with trio.move_on_after(1), contextlib.suppress(NodeError):
                     await stream.reset()
             return
