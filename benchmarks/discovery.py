@@ -153,16 +153,9 @@ def _machine_ticks() -> tuple[int, int]:
     return sum(values) - idle, sum(values)
 
 
-def _per_node_growth(
-    first: list[dict[str, int]], last: list[dict[str, int]], names: tuple[str, ...]
-) -> dict[str, float]:
-    """How much each counter in ``names`` grew from ``first`` to ``last``, per node."""
-    return {
-        name: round(
-            sum(b.get(name, 0) - a.get(name, 0) for a, b in zip(first, last, strict=True)) / len(last), 1
-        )
-        for name in names
-    }
+def _per_node_growth(first: list[dict[str, int]], last: list[dict[str, int]], name: str) -> float:
+    """How much counter ``name`` grew from ``first`` to ``last`` (one dict per node), per node."""
+    return sum(b.get(name, 0) - a.get(name, 0) for a, b in zip(first, last, strict=True)) / len(last)
 
 
 def _missing(snapshots: list[dict[str, Any]], n: int) -> dict[str, int]:
@@ -268,9 +261,10 @@ def measure(
                 name: sum(c.get(name, 0) for c in before)
                 for name in sorted({k for c in before for k in c if k.startswith("neighbour")})
             }
-            result["link_traffic_per_node_during_formation"] = _per_node_growth(
-                first_counters or before, before, LINK_TRAFFIC
-            )
+            assert first_counters is not None  # formation is seen in a sweep, the first one at the latest
+            result["link_traffic_per_node_during_formation"] = {
+                name: round(_per_node_growth(first_counters, before, name), 1) for name in LINK_TRAFFIC
+            }
             connections, io_before = _sockets(pids)
             result["connections_per_node_at_formation"] = round(connections / n, 1)
             time.sleep(WINDOW)
@@ -278,8 +272,7 @@ def measure(
             io_after = _sockets(pids)[1]
 
             def rate(name: str) -> float:
-                total: int = sum(a.get(name, 0) - b.get(name, 0) for a, b in zip(after, before, strict=True))
-                return total / n / WINDOW
+                return _per_node_growth(before, after, name) / WINDOW
 
             result["heartbeat_bytes_per_s_per_node"] = round(
                 rate("heartbeats_sent_bytes") + rate("heartbeat_frames_in_bytes"), 1
