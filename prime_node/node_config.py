@@ -57,7 +57,10 @@ class NodeConfig(BaseModel):
         default=64, ge=1, le=4096, description="Stop dialling discovered peers beyond this many."
     )
     discovery_interval: float = Field(
-        default=5.0, gt=0, description="Longest pause between DHT provider lookups."
+        default=60.0,
+        gt=0,
+        description="Longest pause between DHT provider lookups (they back off from 1 s while they find "
+        "no one new; each asks up to 40 peers).",
     )
     neighbours: int = Field(
         default=8,

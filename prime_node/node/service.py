@@ -399,9 +399,10 @@ class Node:
         """Provide the run in the DHT, and look up its other providers while we lack neighbours.
 
         Records passed along the neighbour links tell a node about everyone else, so the DHT is only the
-        way in: lookups run (every second at first, backing off to ``discovery_interval``) while the
-        overlay wants more links than the known members offer, and stop once it has them. DHT queries
-        are the costliest idle traffic a node has. The provider record is refreshed every
+        way in: lookups run while the overlay wants more links, every second at first and backing off
+        to ``discovery_interval`` (60 s) while they find no one new, as in a swarm smaller than the
+        degree, where they would never stop. Each asks up to 40 peers (prime_node/p2p/provider_lookup.py):
+        DHT queries are the costliest idle traffic a node has. The provider record is refreshed every
         ``PROVIDE_REFRESH`` s.
         """
         run_key = f"/prime-node/run/{self.config.run_id}"

@@ -52,6 +52,7 @@ from prime_node.p2p.nat_relay import (
     reserve,
 )
 from prime_node.p2p.provider_guard import ProviderGuard
+from prime_node.p2p.provider_lookup import find_providers as find_run_providers
 from prime_node.p2p.yamux_tuning import credit_per_half_window, tune_yamux, whole_writes
 from protocol.connection_admission import ConnectionLimits
 from protocol.reachability import DialbackLimiter, verdict
@@ -376,7 +377,7 @@ class Libp2pHost:
 
     async def find_providers(self, key: str) -> list[PeerAddresses]:
         try:
-            found = await self._dht.find_providers(key, PROVIDER_LOOKUP_COUNT)
+            found = await find_run_providers(self._dht, _dht_key(key), want=PROVIDER_LOOKUP_COUNT)
         except Exception as exc:
             raise NodeError(f"DHT lookup failed: {_short(exc)}", reason="dht_failed") from exc
         out = []
@@ -489,6 +490,13 @@ class Libp2pHost:
             last_time_to_direct_s=stats.last_time_to_direct_s,
             relay_serving=self._relay.serving,
         )
+
+
+def _dht_key(key: str) -> bytes:
+    """``key`` as the DHT stores it (what its ``provide`` does to a string key)."""
+    from libp2p.kad_dht.kad_dht import _encode_key
+
+    return bytes(_encode_key(key))
 
 
 def _ips_of(addrs: list[Any]) -> set[str]:
