@@ -136,6 +136,37 @@ def _sockets(pids: list[int]) -> tuple[int, int]:
     return held, total
 
 
+def _connection_kinds(pids: list[int], dirs: list[Path]) -> dict[str, float]:
+    """The processes' established TCP connections per node, by the listener they reach (either end):
+    ``libp2p`` (a node's multiaddr port), ``status_api``, ``dataplane`` (any other port a node listens
+    on), ``other``."""
+    kind_of_port: dict[int, str] = {}
+    for line in _ss("-tlnpH"):
+        owner = re.findall(r"pid=(\d+)", line)
+        local = line.split()[3] if len(line.split()) > 3 else ""
+        if owner and int(owner[0]) in pids and local.rsplit(":", 1)[-1].isdigit():
+            kind_of_port[int(local.rsplit(":", 1)[-1])] = "dataplane"
+    for d in dirs:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            document = json.loads((d / "node.json").read_text())
+            for multiaddr in document["multiaddrs"]:
+                kind_of_port[int(multiaddr.split("/tcp/")[1].split("/")[0])] = "libp2p"
+            kind_of_port[int(str(document["api"]).rsplit(":", 1)[1].split("/")[0])] = "status_api"
+    counts: dict[str, int] = {}
+    for line in _ss("-tnpH", "state", "established"):
+        owner = re.findall(r"pid=(\d+)", line)
+        if not owner or int(owner[0]) not in pids:
+            continue
+        local, remote = (field.rsplit(":", 1)[-1] for field in line.split()[2:4])
+        kind = kind_of_port.get(int(local)) or kind_of_port.get(int(remote)) or "other"
+        counts[kind] = counts.get(kind, 0) + 1
+    return {kind: round(count / len(pids), 1) for kind, count in sorted(counts.items())}
+
+
+def _ss(*args: str) -> list[str]:
+    return subprocess.run(["ss", *args], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
 def _cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds the processes ``pids`` have used so far (/proc/PID/stat)."""
     total = 0
@@ -175,9 +206,14 @@ def _missing(snapshots: list[dict[str, Any]], n: int) -> dict[str, int]:
 
 
 def measure(
-    n: int, timeout: float, interval: float = DEFAULT_HEARTBEAT_INTERVAL, keep: Path | None = None
+    n: int,
+    timeout: float,
+    interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+    keep: Path | None = None,
+    stagger: float = 0.0,
 ) -> dict[str, Any]:
-    """One swarm of ``n`` processes (module doc); ``keep``: leave the nodes' directories (logs) there."""
+    """One swarm of ``n`` processes (module doc); ``keep``: leave the nodes' directories (logs) there;
+    ``stagger``: launch the joiners this many seconds apart instead of all at once."""
     processes: list[subprocess.Popen[bytes]] = []
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
@@ -188,7 +224,10 @@ def measure(
             processes.append(_join(dirs[0], None, interval))
             boot = _node_file(dirs[0], time.monotonic() + 60)
             started = time.monotonic()
-            processes += [_join(d, boot["multiaddrs"][0], interval) for d in dirs[1:]]
+            for i, d in enumerate(dirs[1:]):
+                if stagger and i:
+                    time.sleep(max(0.0, started + i * stagger - time.monotonic()))
+                processes.append(_join(d, boot["multiaddrs"][0], interval))
             for d in dirs[1:]:
                 _node_file(d, started + timeout)
             all_up = time.monotonic() - started
@@ -230,6 +269,7 @@ def measure(
                 "mode": "processes",
                 "n": n,
                 "heartbeat_interval_s": interval,
+                "stagger_s": stagger,
                 "all_processes_listening_s": round(all_up, 2),
                 "all_see_all_s": None if formed_at is None else round(formed_at, 2),
                 "nodes_seeing_all_after_last_join": progress[-12:],
@@ -261,12 +301,14 @@ def measure(
                 name: sum(c.get(name, 0) for c in before)
                 for name in sorted({k for c in before for k in c if k.startswith("neighbour")})
             }
+            result["dht_provides_at_formation"] = sum(c.get("dht_provides", 0) for c in before)
             assert first_counters is not None  # formation is seen in a sweep, the first one at the latest
             result["link_traffic_per_node_during_formation"] = {
                 name: round(_per_node_growth(first_counters, before, name), 1) for name in LINK_TRAFFIC
             }
             connections, io_before = _sockets(pids)
             result["connections_per_node_at_formation"] = round(connections / n, 1)
+            result["connections_per_node_by_kind"] = _connection_kinds(pids, dirs)
             time.sleep(WINDOW)
             after = [_snapshot(d)["counters"] for d in dirs]
             io_after = _sockets(pids)[1]
@@ -304,10 +346,13 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--heartbeat-interval", type=float, default=DEFAULT_HEARTBEAT_INTERVAL)
     parser.add_argument("--keep", type=Path, default=None, help="keep the nodes' directories, info logs")
+    parser.add_argument("--stagger", type=float, default=0.0, help="launch the joiners this many s apart "
+                        "(default: all at once; on one machine their start-ups then pile up)")  # fmt: skip
     args = parser.parse_args()
     os.environ.setdefault("PRIME_NODE_LOG_LEVEL", "info" if args.keep else "error")
     for n in args.sizes:
-        print(json.dumps(measure(n, args.timeout, args.heartbeat_interval, args.keep)), flush=True)
+        result = measure(n, args.timeout, args.heartbeat_interval, args.keep, args.stagger)
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -99,7 +99,12 @@ class Overlay:
         for peer_id, until in list(self.refused_by.items()):
             if now >= until:
                 del self.refused_by[peer_id]
-        candidates = sorted(
+        candidates = self.candidates(healthy)
+        return rng.sample(candidates, min(self.wanted(), len(candidates)))
+
+    def candidates(self, healthy: Iterable[str]) -> list[str]:
+        """The peers among ``healthy`` a link could be opened to now."""
+        return sorted(
             p
             for p in healthy
             if p != self.own_peer_id
@@ -108,7 +113,10 @@ class Overlay:
             and p not in self.accepting
             and p not in self.refused_by
         )
-        return rng.sample(candidates, min(self.wanted(), len(candidates)))
+
+    def short_of_candidates(self, healthy: Iterable[str]) -> bool:
+        """Wants more links than ``healthy`` peers could fill (then a DHT lookup may find others)."""
+        return self.wanted() > len(self.candidates(healthy))
 
     def accepts(self, peer_id: str) -> bool:
         """Take a link a peer opened to us? (Links we are opening count: they may all succeed.)"""

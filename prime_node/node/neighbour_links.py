@@ -121,6 +121,9 @@ class NeighbourLinks:
     def wanted(self) -> int:
         return self.overlay.wanted()
 
+    def short_of_candidates(self, healthy: list[str]) -> bool:
+        return self.overlay.short_of_candidates(healthy)
+
     def maintain(self, candidates: list[str]) -> None:
         """Open links to random ``candidates`` (healthy peers, connected peers) while below the degree."""
         for peer_id in self.overlay.choose(candidates, self.clock.now(), self.rng):

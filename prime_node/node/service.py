@@ -39,6 +39,7 @@ from prime_node.p2p.interface import P2PHost, PeerAddresses
 from protocol.membership import Membership, MembershipConfig, PeerState, StateChanged
 from protocol.overlay import OverlayConfig
 from protocol.peer_record import HardwareSummary, PeerRecord
+from protocol.provider_duty import provides_run
 from protocol.record_book import refresh_interval
 from protocol.scoring import ScoringConfig
 
@@ -46,6 +47,10 @@ log = logging.getLogger(__name__)
 NODE_FILE = "node.json"
 BOOTSTRAP_BACKOFF_MAX = 30.0
 PROVIDE_REFRESH = 600.0
+PROVIDE_DECIDE_AFTER = 3
+PROVIDE_DECIDE_BY = 10
+"""Heartbeat intervals after the bootstrap answered: the first decision to provide comes once the links
+are full and at least the first has passed, or when the second has."""
 DIAL_YIELD_DELAY = 3.0
 
 HostOpener = Callable[[WalletKey], AbstractAsyncContextManager[P2PHost]]
@@ -396,27 +401,41 @@ class Node:
         )
 
     async def _discovery_loop(self) -> None:
-        """Provide the run in the DHT, and look up its other providers while we lack neighbours.
+        """Announce the run in the DHT if we are one of the few members that do, and look up its
+        providers while we lack neighbours.
 
         Records passed along the neighbour links tell a node about everyone else, so the DHT is only the
-        way in: lookups run while the overlay wants more links, every second at first and backing off
-        to ``discovery_interval`` (60 s) while they find no one new, as in a swarm smaller than the
-        degree, where they would never stop. Each asks up to 40 peers (prime_node/p2p/provider_lookup.py):
-        DHT queries are the costliest idle traffic a node has. The provider record is refreshed every
-        ``PROVIDE_REFRESH`` s.
+        way in: lookups run, from one heartbeat interval after the bootstrap answered (its link hands
+        over the records first), while the overlay wants more links than the healthy members we know
+        could fill, every second at first and backing off to ``discovery_interval`` (60 s) while they
+        find no one new. Each asks up to 40 peers (prime_node/p2p/provider_lookup.py):
+        DHT queries are the costliest idle traffic a node has. Whether to provide is decided from the
+        members we know (protocol/provider_duty.py), first once the links are full (their records have
+        arrived) or after ``PROVIDE_DECIDE_BY`` heartbeat intervals, then every ``PROVIDE_REFRESH`` s.
         """
         run_key = f"/prime-node/run/{self.config.run_id}"
         pause = 1.0
-        provided_at: float | None = None
         await self.bootstrapped.wait()
+        interval = self.config.heartbeat_interval
+        joined = trio.current_time()
+        decide_at: float | None = None
         while True:
             now = trio.current_time()
             found: list[PeerAddresses] = []
+            if decide_at is None and (
+                now - joined >= PROVIDE_DECIDE_BY * interval
+                or (now - joined >= PROVIDE_DECIDE_AFTER * interval and self.links.wanted() == 0)
+            ):
+                decide_at = now
             try:
-                if provided_at is None or now - provided_at >= PROVIDE_REFRESH:
-                    await self.host.provide(run_key)
-                    provided_at = now
-                if self.links.wanted() > 0:
+                if decide_at is not None and now >= decide_at:
+                    decide_at = now + PROVIDE_REFRESH
+                    members = [m.peer_id for m in self.membership.members() if m.state is not PeerState.DEAD]
+                    if provides_run(self.identity.peer_id, members, run_key):
+                        await self.host.provide(run_key)
+                        self.metrics.count("dht_provides")
+                healthy = self.peers_in(PeerState.HEALTHY)
+                if now - joined >= interval and self.links.short_of_candidates(healthy):
                     found = await self.host.find_providers(run_key)
                     self.metrics.count("discovery_rounds")
             except NodeError as exc:

@@ -16,6 +16,7 @@ from prime_node.node.neighbour_links import ANSWER_TIMEOUT, NEIGHBOUR_PROTOCOL
 from prime_node.p2p.interface import FramedStream
 from prime_node.testing.memory_network import MemoryHost, MemoryNetwork
 from protocol.membership import PeerState
+from protocol.provider_duty import PROVIDERS, provides_run
 from tests.p2p.helpers import make_config, sees_all, start_node, wait_until
 
 
@@ -285,4 +286,41 @@ async def test_a_quiet_link_is_closed_and_asked_again_only_once_its_connection_i
         for _ in range(4):
             await trio.sleep(interval)
             assert sees_all(first, trio_nodes)
+        nursery.cancel_scope.cancel()
+
+
+async def test_only_the_members_nearest_the_run_key_announce_it_and_a_joiner_finds_them(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """12 nodes: once they know each other, the 8 whose IDs are nearest the run key provide it in the
+    DHT, not all 12 (protocol/provider_duty.py); a node whose links are full does not look providers up,
+    and a joiner that knows nobody but an unhelpful peer still finds the swarm through them."""
+    network = MemoryNetwork()
+    key = "/prime-node/run/test"
+    async with trio.open_nursery() as nursery:
+        first, _ = await start_node(nursery, network.host, make_config(tmp_path, 0), serve_api=False)
+        boot = first.host.listen_multiaddrs()[0]
+        nodes = [first]
+        for i in range(1, 12):
+            config = make_config(tmp_path, i, bootstrap=(boot,))
+            nodes.append((await start_node(nursery, network.host, config, serve_api=False))[0])
+        await wait_until(lambda: all(sees_all(n, nodes) for n in nodes), timeout=30)
+        await trio.sleep(25 * first.config.heartbeat_interval)  # past every first decision
+        ids = [n.identity.peer_id for n in nodes]
+        assert network.providers[key] == {p for p in ids if provides_run(p, ids, key)}
+        assert len(network.providers[key]) == PROVIDERS
+        assert all(
+            n.metrics.counters["dht_provides"] == (n.identity.peer_id in network.providers[key])
+            for n in nodes
+        )
+        rounds = [n.metrics.counters["discovery_rounds"] for n in nodes]
+        await trio.sleep(30 * first.config.heartbeat_interval)
+        assert [n.metrics.counters["discovery_rounds"] for n in nodes] == rounds  # links full: no lookups
+        # A joiner whose only bootstrap is a bare host (no neighbour links, so no records) finds the swarm
+        # in the DHT.
+        async with network.host(WalletKey.generate()) as bare:
+            config = make_config(tmp_path, 12, bootstrap=(bare.listen_multiaddrs()[0],))
+            joiner, _ = await start_node(nursery, network.host, config, serve_api=False)
+            await wait_until(lambda: sees_all(joiner, nodes), timeout=60)
+            assert joiner.metrics.counters["discovery_rounds"] >= 1
         nursery.cancel_scope.cancel()

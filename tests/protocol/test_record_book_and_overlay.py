@@ -338,3 +338,11 @@ def test_a_record_already_dead_on_arrival_adds_no_member() -> None:
     membership: Membership[str] = Membership(CONFIG)
     assert membership.heard_record("old", "r", issued_at=0.0, refresh=30.0, now=RECORD_DEAD * 30.0) == []
     assert len(membership) == 0
+
+
+def test_the_overlay_says_when_the_known_peers_cannot_fill_its_links() -> None:
+    overlay = Overlay("me", OverlayConfig(degree=3, max_degree=6))
+    assert overlay.short_of_candidates(["a", "b"])  # wants 3, two could be linked
+    assert not overlay.short_of_candidates(["a", "b", "c", "me"])
+    overlay.refused("c", 0.0)
+    assert overlay.short_of_candidates(["a", "b", "c"])  # c said busy: not a candidate for a while
