@@ -5,8 +5,8 @@ the 20 nearest. Measured with 64 processes joining a growing swarm 0.5 s apart (
 *Discovery*): every joiner providing held 52 libp2p connections per node instead of 19, and the swarm
 formed 8.5–11.3 heartbeat intervals after the last join instead of 3.2. The records are only the way in
 for a node that knows no member (DESIGN §4: neighbour records carry discovery after that), and a store
-keeps 20 of them anyway. So a node provides only while it is one of the ``PROVIDERS`` healthy members
-nearest the key that it knows of, counting itself; a swarm smaller than that has every member provide.
+keeps 20 of them anyway. So a node provides only while it is one of the ``PROVIDERS`` members nearest the
+key among those it knows (not dead), counting itself; a swarm smaller than that has every member provide.
 Every node sees the same membership once formed, so they agree on the few without talking, and when one
 leaves, the next nearest takes over at its next decision.
 
@@ -27,8 +27,8 @@ def _digest(text: str) -> int:
 
 
 def provides_run(me: str, members: Iterable[str], key: str, *, providers: int = PROVIDERS) -> bool:
-    """Whether ``me`` should announce ``key``, given the healthy ``members`` it knows (``me`` may be
-    among them)."""
+    """Whether ``me`` should announce ``key``, given the live ``members`` it knows (``me`` may be among
+    them)."""
     target = _digest(key)
     mine = _digest(me) ^ target
     nearer = sum(1 for peer in set(members) - {me} if _digest(peer) ^ target < mine)
