@@ -22,8 +22,10 @@ joiner's first peer: the hot spot, if there is one), ``link_traffic_per_node_dur
 the neighbour frames and peer records each node sent and received in that time,
 ``connections_per_node_at_formation`` counts each process's established TCP sockets, and
 ``neighbour_counters_at_formation`` sums the nodes' neighbour-link counters (opens that failed,
-links lost without a ``bye``, links closed as silent). ``--keep DIR`` keeps every node's directory with an
-info-level log.
+links lost without a ``bye``, links closed as silent), ``connections_per_node_by_kind`` splits the
+connections by the listener they reach (libp2p, data plane, status API) and ``dht_provides_at_formation``
+counts the DHT ``provide``s. ``--keep DIR`` keeps every node's directory with an info-level log;
+``--stagger S`` launches the joiners S seconds apart, as a swarm grows, instead of all at once.
 
 Prints one JSON line per N. The baseline in the same run is the heartbeat interval: ``formation_vs_heartbeat``
 is the formation time after the last join in heartbeat intervals (goal ≤ 3). Each node beats only to its
