@@ -16,14 +16,15 @@ matters here, not the DHT's own metric.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
+
+from protocol.provider_lookup import key_digest
 
 PROVIDERS = 8
 
 
 def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest(), "big")
+    return key_digest(text.encode())
 
 
 def provides_run(me: str, members: Iterable[str], key: str, *, providers: int = PROVIDERS) -> bool:
