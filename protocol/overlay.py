@@ -118,6 +118,13 @@ class Overlay:
         """Wants more links than ``healthy`` peers could fill (then a DHT lookup may find others)."""
         return self.wanted() > len(self.candidates(healthy))
 
+    def may_leave(self, peer_id: str) -> bool:
+        """May we hang up on ``peer_id``, a bootstrap we joined through? Only once our links are full
+        elsewhere and it holds no slot: hanging up while a link with it is being opened or accepted (its
+        hello, or our re-ask after a lost link) cut that link, and the live peer was judged dead by its
+        last beat."""
+        return peer_id not in self.slots() and len(self.links) >= self.config.degree
+
     def accepts(self, peer_id: str) -> bool:
         """Take a link a peer opened to us? (Links we are opening count: they may all succeed.)"""
         if peer_id == self.own_peer_id:

@@ -121,6 +121,9 @@ class NeighbourLinks:
     def wanted(self) -> int:
         return self.overlay.wanted()
 
+    def may_leave(self, peer_id: str) -> bool:
+        return self.overlay.may_leave(peer_id)
+
     def short_of_candidates(self, healthy: list[str]) -> bool:
         return self.overlay.short_of_candidates(healthy)
 

@@ -361,16 +361,18 @@ class Node:
 
         A bootstrap is the way in: once this node has all its neighbours elsewhere (the bootstrap was
         full and refused it), it hangs up, so the bootstrap's connection slots stay free for the next
-        joiners; it dials again whenever it has fewer neighbours than it wants (a restarted bootstrap is
-        found again this way in a small swarm)."""
+        joiners (never while a link with it is being opened or accepted: ``Overlay.may_leave``); it dials
+        again whenever it has fewer neighbours than it wants (a restarted bootstrap is found again this
+        way in a small swarm)."""
         backoff = 0.5
         peer_id: str | None = None
         while True:
             links = self.links.neighbours()
-            if peer_id is not None and peer_id not in links and len(links) >= self.config.neighbours:
+            if peer_id is not None and self.links.may_leave(peer_id):
                 if peer_id in self.host.connected_peers():
                     await self.host.disconnect(peer_id)
                     self.metrics.event(self.uptime(), "bootstrap", f"left {multiaddr}: neighbours elsewhere")
+                    log.info("left bootstrap %s: neighbours elsewhere", multiaddr)
             elif peer_id is None or (
                 peer_id not in self.host.connected_peers() and len(links) < self.config.neighbours
             ):

@@ -162,6 +162,18 @@ class _Libp2pByteStream:
             log.debug("resetting a stream failed", exc_info=True)
 
 
+def _closing(connection: Any) -> bool:
+    """Whether a swarm connection is closed or closing (its own flag, or its muxer's)."""
+    try:
+        muxer = connection.muxed_conn
+        shutting_down = getattr(muxer, "event_shutting_down", None)
+        return bool(
+            connection.is_closed or muxer.is_closed or (shutting_down is not None and shutting_down.is_set())
+        )
+    except Exception:
+        return False
+
+
 def _is_relayed(stream: Any) -> bool:
     """Whether a stream's connection goes through a circuit relay (py-libp2p marks the raw connection
     ``ConnectionType.RELAYED``; yamux and Noise pass the question down to it)."""
@@ -284,6 +296,7 @@ class Libp2pHost:
         # full a moment ago (its callers retry with their own backoff).
         network = self._host.get_network()
         network.unblock_peer(info.peer_id)
+        self._forget_closed_connections(info.peer_id)
         try:
             with trio.fail_after(timeout):
                 await self._host.connect(info)
@@ -307,7 +320,23 @@ class Libp2pHost:
             log.debug("disconnecting %s failed", peer_id, exc_info=True)
 
     def connected_peers(self) -> list[str]:
-        return sorted(str(p) for p in self._host.get_connected_peers())
+        """Peers with a connection that is not closing (see ``_forget_closed_connections``)."""
+        connections = self._host.get_network().connections
+        return sorted(str(p) for p, conns in list(connections.items()) if any(not _closing(c) for c in conns))
+
+    def _forget_closed_connections(self, peer_id: Any) -> None:
+        """Drop the swarm's closed connections to ``peer_id`` from its records.
+
+        py-libp2p 0.8.1 keeps a connection in the swarm's records until its close has finished (the
+        muxer's close, the streams' resets, a 0.1 s pause, then the notifications: seconds on a loaded
+        machine), and meanwhile ``connect`` dials nothing and ``new_stream`` fails with "No valid
+        connections". A peer whose only connection dropped looked unreachable for that long: the link
+        re-ask failed and the peer was judged dead by its last beat (docs/benchmarks.md, issue 16). The
+        close goes on regardless; removing a connection twice is harmless."""
+        network = self._host.get_network()
+        for connection in list(network.get_connections(peer_id)):
+            if _closing(connection):
+                network.remove_conn(connection)
 
     def directly_connected(self, peer_id: str) -> bool:
         try:
@@ -335,8 +364,10 @@ class Libp2pHost:
         from libp2p.peer.id import ID
 
         try:
+            remote = ID.from_base58(peer_id)
+            self._forget_closed_connections(remote)
             with trio.fail_after(DIAL_TIMEOUT):
-                stream = await self._host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol_id)])
+                stream = await self._host.new_stream(remote, [TProtocol(protocol_id)])
         except trio.TooSlowError as exc:
             raise NodeError(f"opening {protocol_id} to {peer_id} timed out", reason="stream_failed") from exc
         except Exception as exc:

@@ -346,3 +346,37 @@ def test_the_overlay_says_when_the_known_peers_cannot_fill_its_links() -> None:
     assert not overlay.short_of_candidates(["a", "b", "c", "me"])
     overlay.refused("c", 0.0)
     assert overlay.short_of_candidates(["a", "b", "c"])  # c said busy: not a candidate for a while
+
+
+@given(
+    links=st.sets(st.sampled_from("abcdefghij"), max_size=10),
+    opening=st.sets(st.sampled_from("bklm"), max_size=4),
+    accepting=st.sets(st.sampled_from("bkn"), max_size=3),
+)
+def test_a_bootstrap_is_left_only_with_full_links_elsewhere_and_no_link_with_it_under_way(
+    links: set[str], opening: set[str], accepting: set[str]
+) -> None:
+    """The discovery benchmark's tails at N = 64: a joiner hung up on its bootstrap while their link was
+    being accepted or asked again, and each side judged the other dead by its last beat."""
+    overlay = Overlay("me", OverlayConfig(degree=4, max_degree=16))
+    overlay.links, overlay.opening, overlay.accepting = set(links), set(opening), set(accepting)
+    bootstrap = "b"
+    assert overlay.may_leave(bootstrap) == (
+        bootstrap not in links | opening | accepting and len(links) >= overlay.config.degree
+    )
+
+
+def test_a_bootstrap_being_linked_again_is_not_left() -> None:
+    overlay = Overlay("me", OverlayConfig(degree=2, max_degree=4))
+    overlay.links.update({"x", "y"})
+    assert overlay.may_leave("b")
+    overlay.opening.add("b")  # our re-ask after the link to it was lost
+    assert not overlay.may_leave("b")
+    overlay.refused("b", 0.0)
+    overlay.accepting.add("b")  # its own hello, welcome on the way
+    assert not overlay.may_leave("b")
+    overlay.linked("b", inbound=True)
+    assert not overlay.may_leave("b")
+    overlay.unlinked("b")
+    overlay.unlinked("y")
+    assert not overlay.may_leave("b")  # one link left: the bootstrap may still be needed
