@@ -315,9 +315,7 @@ async def test_only_the_members_nearest_the_run_key_announce_it_and_a_joiner_fin
         )
         rounds = [n.metrics.counters["discovery_rounds"] for n in nodes]
         # A joiner whose only bootstrap is a bare host (no neighbour links, so no records) finds the swarm
-        # in the DHT. It starts as early as it can: under the virtual clock a node's wall clock starts
-        # from the real time, so a node started later runs behind by the virtual seconds in between, and
-        # past 30 s it would refuse the others' records as dated in the future.
+        # in the DHT.
         async with network.host(WalletKey.generate()) as bare:
             config = make_config(tmp_path, 12, bootstrap=(bare.listen_multiaddrs()[0],))
             joiner, _ = await start_node(nursery, network.host, config, serve_api=False)
