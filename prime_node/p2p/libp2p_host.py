@@ -325,7 +325,7 @@ class Libp2pHost:
         return sorted(str(p) for p, conns in list(connections.items()) if any(not _closing(c) for c in conns))
 
     def _forget_closed_connections(self, peer_id: Any) -> None:
-        """Drop the swarm's closed connections to ``peer_id`` from its records.
+        """Drop the swarm's closing (or closed) connections to ``peer_id`` from its records.
 
         py-libp2p 0.8.1 keeps a connection in the swarm's records until its close has finished (the
         muxer's close, the streams' resets, a 0.1 s pause, then the notifications: seconds on a loaded
