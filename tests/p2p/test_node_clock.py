@@ -27,4 +27,4 @@ async def test_the_wall_clock_starts_from_the_system_clock_and_moves_with_trio()
     assert before - 1 <= clock.wall_ms() <= time.time_ns() // 1_000_000 + 1
     start = clock.wall_ms()
     await trio.sleep(0.05)
-    assert clock.wall_ms() - start >= 50
+    assert clock.wall_ms() - start >= 49  # 50 ms, less at most 1 for truncating to whole ms
