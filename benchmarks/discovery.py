@@ -24,8 +24,12 @@ the neighbour frames and peer records each node sent and received in that time,
 ``neighbour_counters_at_formation`` sums the nodes' neighbour-link counters (opens that failed,
 links lost without a ``bye``, links closed as silent), ``connections_per_node_by_kind`` splits the
 connections by the listener they reach (libp2p, data plane, status API) and ``dht_provides_at_formation``
-counts the DHT ``provide``s. ``--keep DIR`` keeps every node's directory with an info-level log;
-``--stagger S`` launches the joiners S seconds apart, as a swarm grows, instead of all at once.
+counts the DHT ``provide``s. Until formation the benchmark polls each node's ``/health`` summary (a few
+hundred bytes; the full ``/status`` is ~40 KB at N = 64 and polling it took a tenth of every node's CPU):
+``status_sweeps_during_formation`` and ``benchmark_cpu_s_during_formation`` (this process's own CPU,
+which shares the cores) say what the polling cost. ``--keep DIR`` keeps every node's directory with an
+info-level log; ``--stagger S`` launches the joiners S seconds apart, as a swarm grows, instead of all
+at once.
 
 Prints one JSON line per N. The baseline in the same run is the heartbeat interval: ``formation_vs_heartbeat``
 is the formation time after the last join in heartbeat intervals (goal ≤ 3). Each node beats only to its
@@ -102,13 +106,13 @@ def _node_file(data_dir: Path, deadline: float) -> dict[str, Any]:
     raise TimeoutError(f"{path} never showed a running node")
 
 
-def _snapshot(data_dir: Path) -> dict[str, Any]:
-    """The node's status, from the API its node.json names now (reading it each time: a node that
-    restarts its host, as a role switch does, writes a new one)."""
+def _snapshot(data_dir: Path, path: str = "/status") -> dict[str, Any]:
+    """The node's status (or ``path``: ``/health`` while polling), from the API its node.json names now
+    (reading it each time: a node that restarts its host, as a role switch does, writes a new one)."""
     for attempt in range(20):
         try:
             api = json.loads((data_dir / "node.json").read_text())["api"]
-            with urllib.request.urlopen(api + "/status", timeout=10) as response:
+            with urllib.request.urlopen(api + path, timeout=10) as response:
                 data: dict[str, Any] = json.loads(response.read())
                 return data
         except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as exc:
@@ -191,19 +195,17 @@ def _per_node_growth(first: list[dict[str, int]], last: list[dict[str, int]], na
     return sum(b.get(name, 0) - a.get(name, 0) for a, b in zip(first, last, strict=True)) / len(last)
 
 
-def _missing(snapshots: list[dict[str, Any]], n: int) -> dict[str, int]:
+def _missing(summaries: list[dict[str, Any]], n: int) -> dict[str, int]:
     """Peer entries missing from the nodes that do not see all, by kind: ``unknown`` (no record of the
     peer yet), ``neighbour_unhealthy`` (a linked neighbour whose beats are late), ``unhealthy`` (a
-    non-neighbour whose records are late), ``dead``."""
+    non-neighbour whose records are late), ``dead``; from the nodes' ``/health`` summaries."""
     kinds = {"unknown": 0, "neighbour_unhealthy": 0, "unhealthy": 0, "dead": 0}
-    for snap in snapshots:
-        peers = snap["peers"]
-        kinds["unknown"] += max(n - 1 - len(peers), 0)
-        for peer in peers:
-            if peer["state"] == "dead":
-                kinds["dead"] += 1
-            elif peer["state"] != "healthy":
-                kinds["neighbour_unhealthy" if peer["neighbour"] else "unhealthy"] += 1
+    for summary in summaries:
+        peers, neighbours = summary["peers"], summary["neighbours"]
+        kinds["unknown"] += max(n - 1 - sum(peers.values()), 0)
+        kinds["dead"] += peers["dead"]
+        kinds["neighbour_unhealthy"] += neighbours["unhealthy"]
+        kinds["unhealthy"] += peers["unhealthy"] - neighbours["unhealthy"]
     return kinds
 
 
@@ -236,6 +238,8 @@ def measure(
             pids = [p.pid for p in processes]
             cpu_at_last_join, ticks_at_last_join = _cpu_seconds(pids), _machine_ticks()
             bootstrap_at_last_join = _cpu_seconds(pids[:1])
+            own_cpu_at_last_join = time.process_time()
+            sweeps = 0
             cpu_at_formation, ticks_at_formation = cpu_at_last_join, ticks_at_last_join
             bootstrap_at_formation = bootstrap_at_last_join
             healthy: list[int] = []
@@ -252,14 +256,15 @@ def measure(
                             f"node {dead[0]} exited ({processes[dead[0]].returncode}):\n{tail}"
                         )
                     swept_at = time.monotonic() - started
-                    snapshots = list(pool.map(_snapshot, dirs))
+                    summaries = list(pool.map(lambda d: _snapshot(d, "/health"), dirs))
+                    sweeps += 1
                     if first_counters is None:
-                        first_counters = [snap["counters"] for snap in snapshots]
-                    healthy = [sum(p["state"] == "healthy" for p in snap["peers"]) for snap in snapshots]
+                        first_counters = [snap["counters"] for snap in pool.map(_snapshot, dirs)]
+                    healthy = [summary["peers"]["healthy"] for summary in summaries]
                     complete = sum(h == n - 1 for h in healthy)
                     if not progress or progress[-1][1] != complete:
                         progress.append((round(swept_at - all_up, 1), complete))
-                        missing.append((round(swept_at - all_up, 1), _missing(snapshots, n)))
+                        missing.append((round(swept_at - all_up, 1), _missing(summaries, n)))
                     if complete == n:
                         formed_at = swept_at
                         cpu_at_formation, ticks_at_formation = _cpu_seconds(pids), _machine_ticks()
@@ -295,6 +300,8 @@ def measure(
             result["bootstrap_busy_during_formation"] = round(
                 (bootstrap_at_formation - bootstrap_at_last_join) / max(formed_at - all_up, 1e-9), 3
             )
+            result["status_sweeps_during_formation"] = sweeps
+            result["benchmark_cpu_s_during_formation"] = round(time.process_time() - own_cpu_at_last_join, 2)
             result["machine_busy_during_formation"] = round(
                 busy / max(ticks_at_formation[1] - ticks_at_last_join[1], 1), 3
             )

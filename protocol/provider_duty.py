@@ -10,6 +10,10 @@ key among those it knows (not dead), counting itself; a swarm smaller than that 
 Every node sees the same membership once formed, so they agree on the few without talking, and when one
 leaves, the next nearest takes over at its next decision.
 
+When to decide first (``first_decision_due``): the decision is only as good as the membership the node
+knows, so it waits for its neighbour links to fill (their records hand over the members) or, failing
+that, for the membership it knows to stop growing.
+
 Distance is XOR of SHA-256 digests of the peer ID text and the key, as in Kademlia; only agreement
 matters here, not the DHT's own metric.
 """
@@ -21,6 +25,13 @@ from collections.abc import Iterable
 from protocol.provider_lookup import key_digest
 
 PROVIDERS = 8
+DECIDE_AFTER = 3
+"""Heartbeat intervals after the bootstrap answered before the first decision, with the links full."""
+DECIDE_BY = 10
+"""Heartbeat intervals after which a node whose links are not full decides once no new member has
+appeared for one interval."""
+DECIDE_LATEST = 30
+"""Heartbeat intervals after which a node decides whatever it knows."""
 
 
 def _digest(text: str) -> int:
@@ -34,3 +45,21 @@ def provides_run(me: str, members: Iterable[str], key: str, *, providers: int = 
     mine = _digest(me) ^ target
     nearer = sum(1 for peer in set(members) - {me} if _digest(peer) ^ target < mine)
     return nearer < providers
+
+
+def first_decision_due(
+    since_joined: float, since_new_member: float, interval: float, *, links_full: bool
+) -> bool:
+    """Whether a node decides for the first time now. ``since_joined``: seconds since its bootstrap
+    answered; ``since_new_member``: since the members it knows last grew; ``interval``: the heartbeat
+    interval.
+
+    A node that decided by the clock alone (``DECIDE_BY``) while a slow 64-process formation was still
+    under way knew half the members, so a dozen thought themselves among the nearest: 13 ``provide``s
+    instead of ~1, each a DHT walk of 20-40 connections that slowed the formation further
+    (docs/benchmarks.md, issue 16). Waiting until the members it knows stop growing breaks that loop."""
+    if since_joined >= DECIDE_LATEST * interval:
+        return True
+    if links_full:
+        return since_joined >= DECIDE_AFTER * interval
+    return since_joined >= DECIDE_BY * interval and since_new_member >= interval

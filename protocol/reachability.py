@@ -27,6 +27,11 @@ GLOBAL_BURST = 8  # dial-backs in any GLOBAL_WINDOW, all peers together
 GLOBAL_WINDOW = 60.0
 TRACKED_PEERS = 1024  # the per-peer table forgets the oldest beyond this
 RELAY_RETRY_AFTER = 60.0
+INBOUND_EVIDENCE = 2
+"""Peers holding a direct connection they dialled to us: with this many, one failed dial-back is not
+enough to call ourselves private (``combine``)."""
+PRIVATE_EVIDENCE = 2
+"""Failed dial-backs in a row that make a node private despite ``INBOUND_EVIDENCE``."""
 
 
 @dataclass
@@ -94,13 +99,19 @@ def verdict(dial_results: Sequence[bool]) -> Status:
     return "private" if dial_results else "unknown"
 
 
-def combine(verdicts: Iterable[Status]) -> Status:
-    """Several servers' verdicts: one success is proof of reachability (a dial-back came in); private
-    needs at least one server that tried and failed and none that succeeded."""
+def combine(verdicts: Iterable[Status], *, failed_in_a_row: int, dialled_in_by: int) -> Status:
+    """Several servers' verdicts: one success is proof of reachability (a dial-back came in). Private
+    needs none that succeeded and at least one failure; ``failed_in_a_row`` counts the "private" answers
+    since the last "public" from any servers. A node that ``dialled_in_by`` ``INBOUND_EVIDENCE`` or more
+    peers hold direct connections to (they reached it) needs ``PRIVATE_EVIDENCE`` failures in a row: one
+    dial-back can time out on a loaded machine, and the saturated public bootstrap of a 64-process swarm
+    took a single timeout for proof, reserved a relay slot it did not need and re-issued its record. A
+    NAT'd home has no such connections before its relay, so one failure still settles it at once."""
     seen = set(verdicts)
     if "public" in seen:
         return "public"
-    return "private" if "private" in seen else "unknown"
+    needed = PRIVATE_EVIDENCE if dialled_in_by >= INBOUND_EVIDENCE else 1
+    return "private" if "private" in seen and failed_in_a_row >= needed else "unknown"
 
 
 def should_reserve(status: Status, reserved: bool, enabled: bool) -> bool:

@@ -49,6 +49,8 @@ class ReachabilityService:
         self.status: Status = "unknown"
         self.last: Reachability | None = None
         self.verdicts: dict[str, Status] = {}
+        self.failed_in_a_row = 0
+        """"private" answers since the last "public" (``protocol.reachability.combine``)."""
         self.relay_addr: str | None = None
         self.relay_peer: str | None = None
         self.picker = RelayPicker()
@@ -84,7 +86,11 @@ class ReachabilityService:
                 self.verdicts[prober] = result.status
                 while len(self.verdicts) > MAX_VERDICTS:
                     del self.verdicts[next(iter(self.verdicts))]
-            self.status = combine(self.verdicts.values())
+                self.failed_in_a_row = self.failed_in_a_row + 1 if result.status == "private" else 0
+            dialled_in_by = context.host.nat_counters().dialled_in_by
+            self.status = combine(
+                self.verdicts.values(), failed_in_a_row=self.failed_in_a_row, dialled_in_by=dialled_in_by
+            )
             log.info("reachability via %s: %s (%s)", prober, result.status, result.detail)
         held = context.host.nat_counters().relay_reservations
         if self.relay_peer is not None and self.relay_peer not in held:
@@ -130,6 +136,7 @@ class ReachabilityService:
             "relay": self.relay_addr,
             "relay_reserved": self.relay_peer is not None,
             "relay_serving": counters.relay_serving if counters else False,
+            "dialled_in_by": counters.dialled_in_by if counters else 0,
             "direct_connections": counters.direct_connections if counters else 0,
             "relayed_connections": counters.relayed_connections if counters else 0,
             "hole_punches_ok": counters.hole_punches_ok if counters else 0,

@@ -39,7 +39,7 @@ from prime_node.p2p.interface import P2PHost, PeerAddresses
 from protocol.membership import Membership, MembershipConfig, PeerState, StateChanged
 from protocol.overlay import OverlayConfig
 from protocol.peer_record import HardwareSummary, PeerRecord
-from protocol.provider_duty import provides_run
+from protocol.provider_duty import first_decision_due, provides_run
 from protocol.record_book import refresh_interval
 from protocol.scoring import ScoringConfig
 
@@ -47,10 +47,6 @@ log = logging.getLogger(__name__)
 NODE_FILE = "node.json"
 BOOTSTRAP_BACKOFF_MAX = 30.0
 PROVIDE_REFRESH = 600.0
-PROVIDE_DECIDE_AFTER = 3
-PROVIDE_DECIDE_BY = 10
-"""Heartbeat intervals after the bootstrap answered: the first decision to provide comes once the links
-are full and at least the first has passed, or when the second has."""
 DIAL_YIELD_DELAY = 3.0
 
 HostOpener = Callable[[WalletKey], AbstractAsyncContextManager[P2PHost]]
@@ -413,22 +409,27 @@ class Node:
         find no one new. Each asks up to 40 peers (prime_node/p2p/provider_lookup.py):
         DHT queries are the costliest idle traffic a node has. Whether to provide is decided from the
         members we know (protocol/provider_duty.py), first once the links are full (their records have
-        arrived) or after ``PROVIDE_DECIDE_BY`` heartbeat intervals, then every ``PROVIDE_REFRESH`` s.
+        arrived) or the members we know stop growing (``first_decision_due``; their count is sampled once
+        per round), then every ``PROVIDE_REFRESH`` s.
         """
         run_key = f"/prime-node/run/{self.config.run_id}"
         pause = 1.0
         await self.bootstrapped.wait()
         interval = self.config.heartbeat_interval
-        joined = trio.current_time()
+        joined = new_member_at = trio.current_time()
+        most_members = 0
         decide_at: float | None = None
         while True:
             now = trio.current_time()
             found: list[PeerAddresses] = []
-            if decide_at is None and (
-                now - joined >= PROVIDE_DECIDE_BY * interval
-                or (now - joined >= PROVIDE_DECIDE_AFTER * interval and self.links.wanted() == 0)
-            ):
-                decide_at = now
+            if decide_at is None:
+                known = len(self.membership.members())
+                if known > most_members:
+                    most_members, new_member_at = known, now
+                if first_decision_due(
+                    now - joined, now - new_member_at, interval, links_full=self.links.wanted() == 0
+                ):
+                    decide_at = now
             try:
                 if decide_at is not None and now >= decide_at:
                     decide_at = now + PROVIDE_REFRESH

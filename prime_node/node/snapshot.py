@@ -1,4 +1,5 @@
-"""The status snapshot: one JSON-ready dict describing a running node, and its Prometheus form.
+"""The status snapshot: one JSON-ready dict describing a running node, its Prometheus form, and the short
+health summary.
 
 It reads the node through ``StatusSource``, the part of the Node it shows, so this module sits below
 node/service.py (which starts the status API) instead of in a cycle with it. prime_node/status/ holds
@@ -15,7 +16,7 @@ from prime_node.node.peers import PeerPolicy
 from prime_node.node_config import NodeConfig
 from prime_node.p2p.interface import P2PHost
 from prime_node.status.section_metrics import section_lines
-from protocol.membership import Membership
+from protocol.membership import Membership, PeerState
 from protocol.peer_record import PeerRecord
 
 SNAPSHOT_VERSION = 1
@@ -104,6 +105,28 @@ def snapshot(node: StatusSource) -> dict[str, Any]:
         "events": [
             {"at_s": round(e.at, 2), "kind": e.kind, "text": e.text} for e in list(node.metrics.events)[-30:]
         ],
+    }
+
+
+def health(node: StatusSource) -> dict[str, Any]:
+    """A few hundred bytes for liveness checks and swarm-wide polling: whether the node runs and how many
+    members (and neighbours) it holds in each state. ``snapshot`` builds ~40 KB for 63 peers, and the
+    64-node discovery benchmark polling it ~3 times a second spent a tenth of every node's CPU on it."""
+    running = node.is_running
+    neighbours = set(node.neighbours()) if running else set()
+    peers = {state.value: 0 for state in PeerState}
+    linked = dict(peers)
+    for member in node.membership.members():
+        peers[member.state.value] += 1
+        if member.peer_id in neighbours:
+            linked[member.state.value] += 1
+    return {
+        "version": SNAPSHOT_VERSION,
+        "running": running,
+        "peer_id": node.identity.peer_id,
+        "uptime_s": round(node.uptime(), 2),
+        "peers": peers,
+        "neighbours": linked,
     }
 
 

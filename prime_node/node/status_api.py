@@ -1,6 +1,7 @@
 """A tiny read-only HTTP/1.1 server (h11 over trio sockets) bound to 127.0.0.1 only.
 
-GET /status → the JSON snapshot; GET /metrics → Prometheus text. One request per connection, bounded
+GET /status → the JSON snapshot; GET /metrics → Prometheus text; GET /health → a short JSON summary
+(running, members per state), 503 once the node stops running. One request per connection, bounded
 request size and time: the API is local and read-only, so it needs nothing more.
 
 Binding to loopback is not enough on its own: a web page the user visits can point its own DNS name at
@@ -18,7 +19,7 @@ import h11
 import trio
 
 from prime_node.errors import NodeError
-from prime_node.node.snapshot import StatusSource, prometheus_text, snapshot
+from prime_node.node.snapshot import StatusSource, health, prometheus_text, snapshot
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 16 << 10
@@ -96,10 +97,13 @@ def _respond(node: StatusSource, request: h11.Request) -> tuple[int, str, bytes]
         log.warning("status API refused a request for host %r (only loopback names are served)", hosts[:1])
         return 421, "text/plain", b"this API answers only requests for 127.0.0.1 or localhost\n"
     if request.method not in (b"GET", b"HEAD"):
-        return 405, "text/plain", b"read-only API: GET /status or /metrics\n"
+        return 405, "text/plain", b"read-only API: GET /status, /metrics or /health\n"
     path = request.target.split(b"?")[0]
     if path in (b"/", b"/status"):
         return 200, "application/json", json.dumps(snapshot(node)).encode()
     if path == b"/metrics":
         return 200, "text/plain; version=0.0.4", prometheus_text(snapshot(node)).encode()
-    return 404, "text/plain", b"not found: try /status or /metrics\n"
+    if path == b"/health":
+        summary = health(node)
+        return 200 if summary["running"] else 503, "application/json", json.dumps(summary).encode()
+    return 404, "text/plain", b"not found: try /status, /metrics or /health\n"

@@ -520,7 +520,19 @@ class Libp2pHost:
             hole_punches_failed=stats.failed,
             last_time_to_direct_s=stats.last_time_to_direct_s,
             relay_serving=self._relay.serving,
+            dialled_in_by=self._dialled_in_by(),
         )
+
+    def _dialled_in_by(self) -> int:
+        """Peers with an open, direct connection they dialled to us (our inbound gate accepted it)."""
+        from libp2p.rcmgr import Direction
+
+        def dialled_in(connection: Any) -> bool:
+            inbound = getattr(connection, "direction", None) == Direction.INBOUND
+            return inbound and not _closing(connection) and not is_relayed(connection)
+
+        connections = self._host.get_network().connections
+        return sum(1 for conns in list(connections.values()) if any(dialled_in(c) for c in conns))
 
 
 def _dht_key(key: str) -> bytes:

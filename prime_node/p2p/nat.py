@@ -41,6 +41,9 @@ class NatCounters:
     """Seconds from a relayed connection's opening to the direct one hole punching made (the latest)."""
     relay_serving: bool = False
     """Whether this host serves as a relay for others (hop)."""
+    dialled_in_by: int = 0
+    """Peers holding a direct (not relayed) connection that they dialled to us: evidence that others can
+    reach us, which ``protocol.reachability.combine`` weighs against a failed dial-back."""
 
 
 class ReachabilityProber(Protocol):

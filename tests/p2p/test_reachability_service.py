@@ -22,9 +22,10 @@ class PrivateHost:
 
     peer_id = "me"
 
-    def __init__(self, peers: list[str], refusing: set[str]) -> None:
+    def __init__(self, peers: list[str], refusing: set[str], dialled_in_by: int = 0) -> None:
         self.peers = peers
         self.refusing = refusing
+        self.dialled_in_by = dialled_in_by
         self.held: set[str] = set()
         self.reserve_calls: list[str] = []
 
@@ -42,7 +43,11 @@ class PrivateHost:
         return f"/p2p/{relay_peer_id}/p2p-circuit/p2p/me"
 
     def nat_counters(self) -> NatCounters:
-        return NatCounters(relay_reservations=tuple(sorted(self.held)), direct_connections=len(self.peers))
+        return NatCounters(
+            relay_reservations=tuple(sorted(self.held)),
+            direct_connections=len(self.peers),
+            dialled_in_by=self.dialled_in_by,
+        )
 
 
 def _context(host: PrivateHost, clock: list[float]) -> NodeContext:
@@ -79,6 +84,19 @@ async def test_reserving_can_be_turned_off() -> None:
     service._context = context
     assert await service.round(context)
     assert service.status == "private" and host.reserve_calls == []
+
+
+async def test_a_node_others_dialled_asks_again_before_calling_itself_private() -> None:
+    """One timed-out dial-back made the saturated bootstrap of a 64-process swarm reserve a relay."""
+    host = PrivateHost(["p1", "p2", "p3"], refusing=set(), dialled_in_by=3)
+    service = ReachabilityService()
+    context = _context(host, [0.0])
+    service._context = context
+    assert not await service.round(context)  # one failure: ask again (another peer) before acting on it
+    assert service.status == "unknown" and host.reserve_calls == []
+    assert service.section()["dialled_in_by"] == 3
+    assert await service.round(context)
+    assert service.status == "private" and len(host.reserve_calls) == 1
 
 
 def test_peer_id_of() -> None:

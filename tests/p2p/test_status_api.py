@@ -1,4 +1,5 @@
-"""The status API over real HTTP on 127.0.0.1: JSON snapshot, Prometheus text, errors; and the TUI render."""
+"""The status API over real HTTP on 127.0.0.1: JSON snapshot, Prometheus text, health summary, errors; and the
+TUI render."""
 
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ async def test_status_api_serves_snapshot_metrics_and_refuses_the_rest(tmp_path:
         assert status == 200
         assert 'prime_node_peers{state="healthy"} 1' in metrics
         assert "prime_node_up{" in metrics
+        status, body = await trio.to_thread.run_sync(_get, a.api_url + "/health")
+        summary = json.loads(body)
+        assert status == 200 and summary["running"] and summary["peer_id"] == a.identity.peer_id
+        assert summary["peers"] == {"healthy": 1, "unhealthy": 0, "dead": 0}
+        assert summary["neighbours"]["healthy"] == (b.identity.peer_id in data["neighbours"])
+        assert len(body) < 400  # what makes it cheap to poll: no per-peer detail
         assert (await trio.to_thread.run_sync(_get, a.api_url + "/nope"))[0] == 404
         console = Console(record=True, width=140)
         console.print(render(data))

@@ -8,9 +8,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol.reachability import (
+    INBOUND_EVIDENCE,
     MAX_DIALBACK_PORTS,
+    PRIVATE_EVIDENCE,
     DialbackLimiter,
     RelayPicker,
+    Status,
     combine,
     dialback_ports,
     probe_order,
@@ -68,9 +71,37 @@ def test_verdicts_and_their_combination() -> None:
     assert verdict([]) == "unknown"
     assert verdict([False, False]) == "private"
     assert verdict([False, True]) == "public"
-    assert combine(["unknown", "private"]) == "private"
-    assert combine(["private", "public"]) == "public"
-    assert combine([]) == "unknown"
+    assert combine(["unknown", "private"], failed_in_a_row=1, dialled_in_by=0) == "private"
+    assert combine(["private", "public"], failed_in_a_row=1, dialled_in_by=0) == "public"
+    assert combine([], failed_in_a_row=0, dialled_in_by=0) == "unknown"
+
+
+def test_one_failed_dial_back_settles_a_node_no_one_dialled_but_not_one_others_reach() -> None:
+    """A NAT'd home (no peer ever dialled it) is private after one failure, as fast as before; the
+    saturated public bootstrap of a 64-process swarm, dialled by dozens, took one timed-out dial-back
+    for proof and reserved a relay slot it did not need."""
+    assert combine(["private"], failed_in_a_row=1, dialled_in_by=INBOUND_EVIDENCE - 1) == "private"
+    assert combine(["private"], failed_in_a_row=1, dialled_in_by=INBOUND_EVIDENCE) == "unknown"
+    assert combine(["private"], failed_in_a_row=PRIVATE_EVIDENCE, dialled_in_by=63) == "private"
+
+
+@given(
+    verdicts=st.lists(st.sampled_from(["public", "private", "unknown"]), max_size=8),
+    failed_in_a_row=st.integers(0, 10),
+    dialled_in_by=st.integers(0, 100),
+)
+def test_combination_rules(verdicts: list[Status], failed_in_a_row: int, dialled_in_by: int) -> None:
+    status = combine(verdicts, failed_in_a_row=failed_in_a_row, dialled_in_by=dialled_in_by)
+    if "public" in verdicts:
+        assert status == "public"  # one dial-back that came in is proof
+    elif "private" not in verdicts or failed_in_a_row == 0:
+        assert status == "unknown"  # no failure, no verdict
+    else:
+        assert status == "private" or (
+            dialled_in_by >= INBOUND_EVIDENCE and failed_in_a_row < PRIVATE_EVIDENCE
+        )
+        # without peers that dialled in, one failure is enough
+        assert combine(verdicts, failed_in_a_row=failed_in_a_row, dialled_in_by=0) == "private"
 
 
 def test_reserve_only_when_known_private_enabled_and_not_yet_held() -> None:
