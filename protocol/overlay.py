@@ -17,6 +17,7 @@ Frames (one ``NeighbourFrame`` per length-prefixed stream frame):
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,6 +31,17 @@ from protocol.record_book import MAX_RECORDS_PER_FRAME
 MAX_RECORD_ENVELOPE = 6144
 MAX_NEIGHBOUR_FRAME = MAX_RECORDS_PER_FRAME * (MAX_RECORD_ENVELOPE + 8) + 256
 BUSY_SAMPLE = 16
+
+
+def next_beat_at(now: float, interval: float) -> float:
+    """When a link's next beat is due: the first multiple of ``interval`` after ``now`` (on the node's own
+    clock). Every link of a node beats on the same grid, so one wake-up sends all their beats; each beat
+    from its own timer cost the node a run-loop wake-up of its own, and an idle node's CPU is mostly
+    those wake-ups (docs/benchmarks.md, issue 16). A beat sent early (urgent records) keeps its link on
+    the grid."""
+    if interval <= 0:
+        raise LocalProtocolError("the heartbeat interval must be positive", reason="bad_config")
+    return (math.floor(now / interval) + 1) * interval
 
 
 class FrameKind(StrEnum):

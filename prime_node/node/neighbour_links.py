@@ -38,6 +38,7 @@ from protocol.overlay import (
     NeighbourFrame,
     Overlay,
     OverlayConfig,
+    next_beat_at,
 )
 from protocol.peer_record import PeerRecord, check_record_signer
 from protocol.record_book import MAX_RECORDS_PER_FRAME, Offer, RecordBook, RecordBookConfig, clamp_refresh
@@ -340,7 +341,7 @@ class NeighbourLinks:
                 await link.stream.send_frame(frame)
             self.metrics.count("heartbeats_sent", len(frame) + 4)
             self.metrics.count("records_sent", 0, len(records))
-            next_beat = trio.current_time() + self.interval
+            next_beat = next_beat_at(trio.current_time(), self.interval)
             if self.book.pending_count(link.peer_id):
                 await trio.sleep(1 / FRAMES_PER_SECOND)
                 link.wake.set()

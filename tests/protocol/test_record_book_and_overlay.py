@@ -4,6 +4,7 @@ with), and membership judged by beats or by records."""
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 
 import hypothesis.strategies as st
@@ -12,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from protocol.codec import decode, encode
-from protocol.errors import ProtocolError
+from protocol.errors import LocalProtocolError, ProtocolError
 from protocol.membership import RECORD_DEAD, RECORD_UNHEALTHY, Membership, MembershipConfig, PeerState
-from protocol.overlay import FrameKind, NeighbourFrame, Overlay, OverlayConfig
+from protocol.overlay import FrameKind, NeighbourFrame, Overlay, OverlayConfig, next_beat_at
 from protocol.record_book import (
     MAX_RECORDS_PER_FRAME,
     Offer,
@@ -380,3 +381,26 @@ def test_a_bootstrap_being_linked_again_is_not_left() -> None:
     overlay.unlinked("b")
     overlay.unlinked("y")
     assert not overlay.may_leave("b")  # one link left: the bootstrap may still be needed
+
+
+@given(
+    now=st.floats(0, 1e7, allow_nan=False),
+    interval=st.floats(0.01, 600, allow_nan=False),
+    later=st.floats(0, 1e4, allow_nan=False),
+)
+def test_links_beat_on_one_grid(now: float, interval: float, later: float) -> None:
+    """The next beat is after ``now``, at most one interval away, on a multiple of the interval; so two
+    links of a node that sent at different moments beat together from then on."""
+    due = next_beat_at(now, interval)
+    assert now < due <= now + interval * (1 + 1e-9)
+    assert math.isclose(due / interval, round(due / interval), abs_tol=1e-6)
+    other = next_beat_at(now + later % interval, interval)  # a link that beat later in the same interval
+    assert other in (due, next_beat_at(due, interval))
+
+
+def test_a_beat_sent_early_keeps_its_link_on_the_grid() -> None:
+    assert next_beat_at(10.0, 2.0) == 12.0  # sent on the grid: one interval later
+    assert next_beat_at(10.7, 2.0) == 12.0  # sent early for urgent records: back on the grid
+    assert next_beat_at(11.999, 2.0) == 12.0
+    with pytest.raises(LocalProtocolError):
+        next_beat_at(1.0, 0.0)
