@@ -28,6 +28,11 @@ def blake3_derive_key(context: str, material: bytes, *, length: int = DIGEST_SIZ
     return hasher.digest(length=length)
 
 
+def blake3_hasher() -> _blake3.blake3:
+    """An unkeyed BLAKE3 hasher, for content that comes in parts: ``update``, then ``digest``."""
+    return _blake3.blake3()
+
+
 def keyed_blake3(key: bytes) -> _blake3.blake3:
     """A keyed BLAKE3 hasher (a MAC under ``key``): feed it with ``update``, read the tag with ``digest``."""
     return _blake3.blake3(key=key)

@@ -19,7 +19,13 @@ everything, identities included (a relay that swaps a signature gets keys nobody
 Frame: ``u32`` big-endian body length ‖ body ‖ 32-byte tag, tag = keyed BLAKE3 (the direction's key)
 over direction ‖ ``u64`` frame counter ‖ ``u32`` length ‖ body. The counter is implicit, so a replayed,
 dropped or reordered frame fails its tag. A frame, once begun, must keep moving (``FrameDeadlines``).
-docs/dataplane.md has the byte-level layout.
+
+A *digested* frame (``DigestedFrame``, the top bit of the length word set) carries a small head and a
+bulk part, and its tag covers the head and the bulk's BLAKE3 digest instead of the bulk itself. A piece
+goes as one: its bulk is the piece, whose BLAKE3 digest the manifest names, so the sender takes the
+digest from the manifest instead of hashing the piece, and the receiver hashes it once, for the MAC and
+the manifest check together (three BLAKE3 passes per piece delivered became one). docs/dataplane.md has
+the byte-level layout.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import struct
 from dataclasses import dataclass
 from typing import Annotated
 
-from crypto.digests import DIGEST_SIZE, blake3, blake3_derive_key, keyed_blake3
+from crypto.digests import DIGEST_SIZE, blake3, blake3_derive_key, blake3_hasher, keyed_blake3
 from crypto.errors import CryptoError
 from crypto.exchange import EPHEMERAL_KEY_SIZE, EphemeralKey, check_public_key
 from crypto.keys import Address, WalletKey
@@ -40,13 +46,19 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.manifest import MAX_PIECE_SIZE, MAX_PIECES
 from protocol.swarm.messages import Cancel, Have, Piece, Request
 
-PROTOCOL_TAG = b"prime-node/dataplane/v1"
-KEY_CONTEXT = "prime-node 2026 dataplane v1 session keys"
+PROTOCOL_TAG = b"prime-node/dataplane/v2"
+"""v2: digested frames. A v1 peer's handshake fails against it (the transcript names the version)."""
+KEY_CONTEXT = "prime-node 2026 dataplane v2 session keys"
 NONCE_SIZE = 32
 SECRET_SIZE = 32
 SIGNATURE_SIZE = 65
 TAG_SIZE = 32
 FRAME_HEADER = struct.Struct(">I")
+DIGESTED = 1 << 31
+"""Set in a frame's length word: a digested frame (``DigestedFrame``); the rest of the word is the length."""
+HEAD_LENGTH = struct.Struct(">H")
+MAX_DIGESTED_HEAD = 1024
+"""A digested frame's head is at most this long (a piece's is ~45 bytes)."""
 HANDSHAKE_MAX_FRAME = 256
 DEFAULT_MAX_FRAME = Piece.MAX_BYTES
 """The largest swarm message (a 16 MiB piece plus its envelope): nothing bigger needs to cross."""
@@ -307,6 +319,76 @@ def _tag_prefix(direction: Direction, counter: int, length: int) -> bytes:
     return bytes([direction]) + counter.to_bytes(8, "big") + length.to_bytes(4, "big")
 
 
+@dataclass(frozen=True, slots=True)
+class DigestedFrame:
+    """A frame sent as ``head`` ‖ ``bulk`` whose tag covers the head and ``digest``, the BLAKE3-256 of the
+    bulk, in place of the bulk. Its bytes mean what ``head + bulk`` as one frame would (a piece's head is
+    the start of its canonical encoding), so a receiver that wants plain bytes joins them.
+
+    Sending: ``digest`` may be given (a piece's, from the manifest: then the sender does not hash) or left
+    None (the channel hashes the bulk). Receiving: ``digest`` is what this node computed over the bulk it
+    received, never a number from the wire, so it stands in for hashing the bulk again."""
+
+    head: bytes
+    bulk: bytes | bytearray | memoryview
+    digest: bytes | None = None
+
+    def __len__(self) -> int:
+        """Bytes of the frame's body on the wire (head length field, head, bulk)."""
+        return HEAD_LENGTH.size + len(self.head) + len(self.bulk)
+
+    def joined(self) -> bytes:
+        return self.head + bytes(self.bulk)
+
+
+Frame = bytes | DigestedFrame
+"""What a channel carries: plain frames, and digested ones."""
+
+
+def is_digested(header: bytes | bytearray | memoryview) -> bool:
+    """Whether the frame whose 4-byte header this is was sent digested."""
+    return bool(header[0] & 0x80)
+
+
+def digested_tag(
+    key: bytes, direction: Direction, counter: int, head: bytes, bulk_length: int, digest: bytes
+) -> bytes:
+    """Keyed BLAKE3 over direction ‖ u64 counter ‖ u32 (DIGESTED | body length) ‖ u16 head length ‖ head ‖
+    digest. The flag bit in the length word keeps it apart from every plain frame's tag."""
+    length = HEAD_LENGTH.size + len(head) + bulk_length
+    hasher = keyed_blake3(key)
+    hasher.update(_tag_prefix(direction, counter, DIGESTED | length))
+    hasher.update(HEAD_LENGTH.pack(len(head)) + head)
+    hasher.update(digest)
+    return hasher.digest()
+
+
+class DigestedCheck:
+    """The running digest of one incoming digested frame's bulk (see ``FrameOpener.begin_digested``)."""
+
+    def __init__(self, key: bytes, direction: Direction, counter: int, head: bytes, bulk_length: int) -> None:
+        self.counter = counter
+        self.length = bulk_length
+        """Bytes of bulk still to feed with ``update`` (the head came whole)."""
+        self.received = 0
+        self.head = head
+        self._key = key
+        self._direction = direction
+        self._hasher = blake3_hasher()
+        self.bulk_digest = b""
+        """BLAKE3-256 of the bulk, set by ``digest``."""
+
+    def update(self, chunk: bytes | bytearray | memoryview) -> None:
+        self.received += len(chunk)
+        self._hasher.update(chunk)
+
+    def digest(self) -> bytes:
+        """The tag this frame must carry (and ``bulk_digest`` from here on)."""
+        self.bulk_digest = self._hasher.digest()
+        key, direction = self._key, self._direction
+        return digested_tag(key, direction, self.counter, self.head, self.length, self.bulk_digest)
+
+
 class FrameCheck:
     """The running tag of one incoming frame (see ``FrameOpener.begin``)."""
 
@@ -350,6 +432,23 @@ class FrameSealer:
         header, tag = self.seal(body)
         return header + body + tag
 
+    def seal_digested(self, frame: DigestedFrame) -> tuple[bytes, bytes]:
+        """(start, tag) to send around ``frame.bulk``: the caller sends start ‖ bulk ‖ tag, where start is
+        the length word, the head's length and the head. Hashes the bulk only if ``frame.digest`` is None."""
+        length = len(frame)
+        if length > self.max_frame or len(frame.head) > MAX_DIGESTED_HEAD:
+            raise LocalProtocolError(
+                f"digested frame of {length} bytes (head {len(frame.head)}) exceeds the caps",
+                reason="frame_too_large",
+            )
+        if self.counter >= _COUNTER_LIMIT:
+            raise LocalProtocolError("frame counter exhausted", reason="counter_exhausted")
+        digest = frame.digest if frame.digest is not None else blake3(frame.bulk)  # type: ignore[arg-type]
+        tag = digested_tag(self._key, self._direction, self.counter, frame.head, len(frame.bulk), digest)
+        self.counter += 1
+        start = FRAME_HEADER.pack(DIGESTED | length) + HEAD_LENGTH.pack(len(frame.head)) + frame.head
+        return start, tag
+
 
 class FrameOpener:
     """The receiving half: checks lengths before anything is allocated, and each frame's tag in order.
@@ -369,7 +468,8 @@ class FrameOpener:
         self._check_usable()
         if len(header) != FRAME_HEADER.size:
             raise RemoteProtocolError("frame header is 4 bytes", reason="truncated_frame")
-        (length,) = FRAME_HEADER.unpack(header)
+        (word,) = FRAME_HEADER.unpack(header)
+        length = word & ~DIGESTED
         if length > self.max_frame:
             self.broken = True
             raise RemoteProtocolError(
@@ -377,13 +477,32 @@ class FrameOpener:
             )
         return int(length)
 
+    def head_length(self, length: int, field: bytes | bytearray | memoryview) -> int:
+        """A digested frame's head length from its 2-byte field; RemoteProtocolError (bad_frame_head) if
+        it is over ``MAX_DIGESTED_HEAD`` or does not fit in the frame's ``length``."""
+        self._check_usable()
+        (head_length,) = HEAD_LENGTH.unpack(field)
+        if head_length > MAX_DIGESTED_HEAD or HEAD_LENGTH.size + head_length > length:
+            self.broken = True
+            raise RemoteProtocolError(
+                f"digested frame head of {head_length} bytes in a frame of {length}", reason="bad_frame_head"
+            )
+        return int(head_length)
+
+    def begin_digested(self, length: int, head: bytes) -> DigestedCheck:
+        """Start checking the next frame, a digested one of ``length`` body bytes whose head (already
+        received whole, its length checked by ``head_length``) is ``head``; feed its bulk, then ``finish``."""
+        self._check_usable()
+        bulk_length = length - HEAD_LENGTH.size - len(head)
+        return DigestedCheck(self._key, self._direction, self.counter, head, bulk_length)
+
     def begin(self, length: int) -> FrameCheck:
         """Start checking the next frame of ``length`` bytes; feed its body as it arrives (hashing each
         chunk while it is still in cache), then ``finish``."""
         self._check_usable()
         return FrameCheck(self._key, self._direction, self.counter, length)
 
-    def finish(self, check: FrameCheck, tag: bytes | bytearray | memoryview) -> None:
+    def finish(self, check: FrameCheck | DigestedCheck, tag: bytes | bytearray | memoryview) -> None:
         """Accept the frame ``check`` saw or raise RemoteProtocolError (bad_mac, truncated_frame)."""
         self._check_usable()
         if check.counter != self.counter or check.received != check.length or len(tag) != TAG_SIZE:
@@ -401,6 +520,15 @@ class FrameOpener:
         check = self.begin(length)
         check.update(body)
         self.finish(check, tag)
+
+    def open_digested(
+        self, length: int, head: bytes, bulk: bytes | bytearray | memoryview, tag: bytes | bytearray
+    ) -> bytes:
+        """Accept a whole digested frame as the next or raise RemoteProtocolError; the bulk's digest."""
+        check = self.begin_digested(length, head)
+        check.update(bulk)
+        self.finish(check, tag)
+        return check.bulk_digest
 
     def open_wire(self, data: bytes) -> bytes:
         """One whole frame as received (header ‖ body ‖ tag), checked; the body."""
@@ -425,9 +553,10 @@ class FrameOpener:
 # ``swarm.piece`` is the one large message, and the general codec handles its body three times on receipt
 # (msgpack copies it out, the canonical check re-encodes and compares it) and twice on sending. Its
 # canonical form is fixed: [1, "swarm.piece", [manifest_id, index, data]] with msgpack's shortest int and
-# bin headers. These two functions build and recognise exactly that byte string, so the body is copied
-# once; ``decode_piece`` accepts a frame only if it is byte for byte ``encode(Piece(...))`` of what it
-# returns (anything else is None: hand it to ``protocol.codec.decode_any``, which decides).
+# bin headers. ``piece_frame`` sends it as a digested frame, the canonical head apart from the data (so the
+# data is never copied into a frame); ``decode_digested_piece`` and ``decode_piece`` (the same bytes as one
+# plain frame) accept a frame only if it is byte for byte ``encode(Piece(...))`` of what they return
+# (anything else is None: hand it to ``protocol.codec.decode_any``, which decides).
 
 _PIECE_PREFIX = b"\x93\x01\xab" + Piece.TYPE.encode() + b"\x93\xc4" + bytes([DIGEST_SIZE])
 _PIECE_INDEX_AT = len(_PIECE_PREFIX) + DIGEST_SIZE
@@ -459,16 +588,8 @@ def _piece_head(manifest_id: bytes, index: int, length: int) -> bytes | None:
     return _PIECE_PREFIX + manifest_id + _uint(index) + _bin_header(length)
 
 
-def encode_piece(manifest_id: bytes, index: int, data: bytes) -> bytes:
-    """``encode(Piece(manifest_id, index, data))``, with one copy of ``data``."""
-    head = _piece_head(manifest_id, index, len(data))
-    if head is None:
-        return encode(Piece(manifest_id, index, data))  # raises LocalProtocolError
-    return head + data
-
-
-def decode_piece(frame: bytes) -> Piece | None:
-    """The piece ``frame`` encodes canonically, or None if it is anything else (see above)."""
+def _parse_piece_head(frame: bytes) -> tuple[bytes, int, int, int] | None:
+    """(manifest_id, index, data offset, data length) if ``frame`` starts with a canonical piece head."""
     if not frame.startswith(_PIECE_PREFIX) or len(frame) < _PIECE_INDEX_AT + 2:
         return None
     manifest_id = frame[len(_PIECE_PREFIX) : _PIECE_INDEX_AT]
@@ -484,9 +605,37 @@ def decode_piece(frame: bytes) -> Piece | None:
     data_at = index_end + 1 + length_size
     length = int.from_bytes(frame[index_end + 1 : data_at], "big")
     head = _piece_head(manifest_id, index, length)
-    if not length_size or head is None or len(frame) != data_at + length or frame[:data_at] != head:
+    if not length_size or head is None or len(frame) < data_at or frame[:data_at] != head:
         return None
+    return manifest_id, index, data_at, length
+
+
+def decode_piece(frame: bytes) -> Piece | None:
+    """The piece ``frame`` encodes canonically, or None if it is anything else (see above)."""
+    parsed = _parse_piece_head(frame)
+    if parsed is None or len(frame) != parsed[2] + parsed[3]:
+        return None
+    manifest_id, index, data_at, _ = parsed
     return Piece(manifest_id, index, frame[data_at:])
+
+
+def piece_frame(manifest_id: bytes, index: int, data: bytes, digest: bytes | None) -> DigestedFrame:
+    """Piece ``index`` as a digested frame: head ‖ data is ``encode(Piece(...))``; ``digest`` is the
+    piece's hash from the manifest (or None: the channel hashes it)."""
+    head = _piece_head(manifest_id, index, len(data))
+    if head is None:
+        encode(Piece(manifest_id, index, data))  # raises LocalProtocolError, naming the broken bound
+        raise AssertionError("unreachable: a piece that fails _piece_head fails its own encoding")
+    return DigestedFrame(head, data, digest)
+
+
+def decode_digested_piece(frame: DigestedFrame) -> Piece | None:
+    """The piece a digested frame carries, if its head is exactly the canonical head for its bulk's
+    length; None otherwise (the caller decodes ``frame.joined()`` the general way)."""
+    parsed = _parse_piece_head(frame.head)
+    if parsed is None or parsed[2] != len(frame.head) or parsed[3] != len(frame.bulk):
+        return None
+    return Piece(parsed[0], parsed[1], bytes(frame.bulk))
 
 
 # --- have / request / cancel without the general codec ------------------------------------------------------

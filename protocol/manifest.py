@@ -209,9 +209,13 @@ class Manifest(Message):
         start, end = self.piece_span(index)
         return end - start
 
-    def piece_is_valid(self, index: int, data: bytes) -> bool:
-        """Does ``data`` hash to piece ``index``'s recorded hash (and have its exact length)?"""
-        return len(data) == self.piece_length(index) and blake3(data) == self.piece_hash(index)
+    def piece_is_valid(self, index: int, data: bytes, *, digest: bytes | None = None) -> bool:
+        """Does ``data`` hash to piece ``index``'s recorded hash (and have its exact length)? ``digest``:
+        the BLAKE3 of ``data`` if this node already computed it (the data plane does, on receipt), never
+        a value a peer claimed."""
+        if len(data) != self.piece_length(index):
+            return False
+        return (blake3(data) if digest is None else digest) == self.piece_hash(index)
 
     def id(self) -> bytes:
         """BLAKE3 of the canonical encoding: the name users pass to ``fetch``."""

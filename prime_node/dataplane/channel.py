@@ -29,9 +29,13 @@ from prime_node.errors import NodeError
 from protocol.dataplane import (
     DEFAULT_MAX_FRAME,
     FRAME_HEADER,
+    HEAD_LENGTH,
     NONCE_SIZE,
     SECRET_SIZE,
     TAG_SIZE,
+    DigestedCheck,
+    DigestedFrame,
+    Frame,
     FrameCheck,
     FrameDeadlines,
     FrameOpener,
@@ -41,6 +45,7 @@ from protocol.dataplane import (
     SessionKeys,
     handshake_frame,
     handshake_length,
+    is_digested,
 )
 from protocol.errors import ProtocolError, RemoteProtocolError
 
@@ -115,17 +120,22 @@ class AuthenticatedChannel:
         take the frame's bytes within its deadlines (``frame_stalled``, ``frame_too_slow``)."""
         await self.send_frames((data,))
 
-    async def send_frames(self, frames: Sequence[bytes]) -> None:
+    async def send_frames(self, frames: Sequence[Frame]) -> None:
         """Send ``frames`` in order, each its own MAC'd frame, in as few system calls as the socket
-        takes. The deadlines treat the batch as one frame of their total length."""
+        takes (a digested frame's bulk straight from its buffer). The deadlines treat the batch as one
+        frame of their total length."""
         await _acquire(self._send_lock)
         try:
             self._check_open()
-            parts: list[bytes] = []
+            parts: list[bytes | bytearray | memoryview] = []
             try:
                 for data in frames:
-                    header, tag = self._sealer.seal(data)
-                    parts += (header, data, tag)
+                    if isinstance(data, DigestedFrame):
+                        start, tag = self._sealer.seal_digested(data)
+                        parts += (start, data.bulk, tag)
+                    else:
+                        header, tag = self._sealer.seal(data)
+                        parts += (header, data, tag)
             except ProtocolError as exc:
                 raise ChannelError(str(exc), reason=exc.reason) from exc
             with self._frame_scope() as scope:
@@ -141,11 +151,18 @@ class AuthenticatedChannel:
             self._send_lock.release()
 
     async def receive_frame(self) -> bytes:
-        """The next frame, checked. ChannelError reason ``closed`` when the peer closed between frames."""
+        """The next frame's bytes, checked (a digested frame's head and bulk joined). ChannelError reason
+        ``closed`` when the peer closed between frames."""
+        frame = await self.receive()
+        return frame.joined() if isinstance(frame, DigestedFrame) else frame
+
+    async def receive(self) -> Frame:
+        """The next frame, checked; a digested frame as it came, with the digest of its bulk computed
+        here. ChannelError reason ``closed`` when the peer closed between frames."""
         await _acquire(self._receive_lock)
         try:
             self._check_open()
-            frame: bytes | None = None
+            frame: Frame | None = None
             try:
                 frame = self._buffered_frame()
             except ProtocolError as exc:
@@ -172,41 +189,68 @@ class AuthenticatedChannel:
         finally:
             self._receive_lock.release()
 
-    def _buffered_frame(self) -> bytes | None:
+    def _buffered_frame(self) -> Frame | None:
         """The next frame if it is small and already whole in the read buffer (no I/O, no deadline)."""
         start = self._start
         if self._end - start < FRAME_HEADER.size:
             return None
-        length = self._opener.body_length(self._buffer[start : start + FRAME_HEADER.size])
+        header = self._buffer[start : start + FRAME_HEADER.size]
+        length = self._opener.body_length(header)
         body_start = start + FRAME_HEADER.size
         tag_start = body_start + length
         if length > SMALL_FRAME or tag_start + TAG_SIZE > self._end:
             return None
-        body = bytes(self._buffer[body_start:tag_start])
-        self._opener.open(length, body, self._buffer[tag_start : tag_start + TAG_SIZE])
+        tag = self._buffer[tag_start : tag_start + TAG_SIZE]
+        frame: Frame
+        if is_digested(header):
+            head_end = body_start + HEAD_LENGTH.size
+            head_end += self._opener.head_length(length, self._buffer[body_start:head_end])
+            head = bytes(self._buffer[body_start + HEAD_LENGTH.size : head_end])
+            bulk = bytes(self._buffer[head_end:tag_start])
+            frame = DigestedFrame(head, bulk, self._opener.open_digested(length, head, bulk, tag))
+        else:
+            frame = bytes(self._buffer[body_start:tag_start])
+            self._opener.open(length, frame, tag)
         self._start = tag_start + TAG_SIZE
-        return body
+        return frame
 
-    async def _receive(self, progress: _Progress) -> bytes | None:
+    async def _receive(self, progress: _Progress) -> Frame | None:
         """One frame, or None at a clean end of stream before its first byte."""
         if self._end > self._start:
             progress.start(0)
         if not await self._buffer_at_least(FRAME_HEADER.size, progress, eof_ok=True):
             return None
         start = self._start
-        length = self._opener.body_length(self._buffer[start : start + FRAME_HEADER.size])
+        header = self._buffer[start : start + FRAME_HEADER.size]
+        length = self._opener.body_length(header)
         progress.start(length)
         if length <= SMALL_FRAME:
             await self._buffer_at_least(FRAME_HEADER.size + length + TAG_SIZE, progress)
             frame = self._buffered_frame()
             assert frame is not None
             return frame
-        self._start += FRAME_HEADER.size
-        check = self._opener.begin(length)
-        body = await self._receive_body(length, check, progress)
+        check: FrameCheck | DigestedCheck
+        if is_digested(header):
+            # The head comes whole into the read buffer (it is at most MAX_DIGESTED_HEAD bytes); the bulk
+            # then streams into its chunks like any large body, hashed as it arrives.
+            field_end = FRAME_HEADER.size + HEAD_LENGTH.size
+            await self._buffer_at_least(field_end, progress)
+            head_length = self._opener.head_length(
+                length, self._buffer[self._start + FRAME_HEADER.size : self._start + field_end]
+            )
+            await self._buffer_at_least(field_end + head_length, progress)
+            head = bytes(self._buffer[self._start + field_end : self._start + field_end + head_length])
+            self._start += field_end + head_length
+            check = self._opener.begin_digested(length, head)
+        else:
+            self._start += FRAME_HEADER.size
+            check = self._opener.begin(length)
+        body = await self._receive_body(check.length, check, progress)
         await self._buffer_at_least(TAG_SIZE, progress)
         self._opener.finish(check, self._buffer[self._start : self._start + TAG_SIZE])
         self._start += TAG_SIZE
+        if isinstance(check, DigestedCheck):
+            return DigestedFrame(check.head, body, check.bulk_digest)
         return body
 
     async def _buffer_at_least(self, count: int, progress: _Progress, *, eof_ok: bool = False) -> bool:
@@ -232,7 +276,9 @@ class AuthenticatedChannel:
             progress.moved()
         return True
 
-    async def _receive_body(self, length: int, check: FrameCheck, progress: _Progress) -> bytes:
+    async def _receive_body(
+        self, length: int, check: FrameCheck | DigestedCheck, progress: _Progress
+    ) -> bytes:
         """The body, read into chunks allocated (and reserved from the budget) only as bytes arrive: the
         first is 256 KiB, each next one three times what has arrived so far, so a peer that announces 16
         MiB and sends one byte costs 256 KiB, and an honest 4 MiB frame takes three chunks. Bytes already
@@ -254,7 +300,9 @@ class AuthenticatedChannel:
         finally:
             self.account.release(reserved)
 
-    async def _fill(self, view: memoryview, left: int, check: FrameCheck, progress: _Progress) -> None:
+    async def _fill(
+        self, view: memoryview, left: int, check: FrameCheck | DigestedCheck, progress: _Progress
+    ) -> None:
         """Fill ``view`` (part of a body that has ``left`` bytes still to come), buffered bytes first."""
         filled = min(len(view), self._end - self._start)
         if filled:
@@ -281,6 +329,17 @@ class AuthenticatedChannel:
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._frames()
+
+    async def frames(self) -> AsyncIterator[Frame]:
+        """Frames as ``receive`` gives them (digested ones kept apart) until the peer closes cleanly
+        between frames; any other failure raises."""
+        while True:
+            try:
+                yield await self.receive()
+            except ChannelError as exc:
+                if exc.reason == "closed":
+                    return
+                raise
 
     async def _frames(self) -> AsyncIterator[bytes]:
         """Frames until the peer closes cleanly between frames; any other failure raises."""

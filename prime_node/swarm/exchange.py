@@ -20,6 +20,7 @@ from prime_node.swarm.transfer import decode_frame
 from prime_node.swarm.transport import DataPlane
 from prime_node.swarm.versions import ManifestWait, open_known, open_sent
 from protocol.codec import encode
+from protocol.dataplane import Frame
 from protocol.envelope import Envelope
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import Manifest
@@ -102,10 +103,10 @@ class VersionExchange:
     def on_down(self, peer: Address) -> None:
         self.apply(self.catalogue.peer_down(peer))
 
-    def on_frame(self, peer: Address, frame: bytes) -> None:
+    def on_frame(self, peer: Address, frame: Frame) -> None:
         try:
             # Pieces (almost every byte) and haves (most frames) skip the general codec.
-            message = decode_frame(frame, max(Piece.MAX_BYTES, ManifestEnvelope.MAX_BYTES))
+            message, digest = decode_frame(frame, max(Piece.MAX_BYTES, ManifestEnvelope.MAX_BYTES))
         except RemoteProtocolError as exc:
             self.ban(peer, f"undecodable frame ({exc.reason})")
             return
@@ -123,7 +124,7 @@ class VersionExchange:
         elif isinstance(message, ManifestEnvelope):
             self._on_manifest(peer, message)
         elif (version := self.holdings.versions.get(mid)) is not None:
-            version.transfer.receive(peer, message, self.now())
+            version.transfer.receive(peer, message, self.now(), digest=digest)
         elif isinstance(message, Request):
             self.dataplane.send(peer, encode(Reject(mid, message.index, "missing")))
 

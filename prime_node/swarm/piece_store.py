@@ -273,12 +273,13 @@ class PieceStore:
     def has(self, index: int) -> bool:
         return bool(self.have >> index & 1)
 
-    def write(self, index: int, data: bytes) -> bool:
+    def write(self, index: int, data: bytes, *, digest: bytes | None = None) -> bool:
         """Verify and store piece ``index``. False (nothing written) if the bytes do not match the manifest.
+        ``digest``: their BLAKE3, if this node computed it on receipt (``Manifest.piece_is_valid``).
 
         A failing disk raises NodeError; the piece is then not marked held, so the state stays consistent.
         """
-        if not self.manifest.piece_is_valid(index, data):
+        if not self.manifest.piece_is_valid(index, data, digest=digest):
             return False
         if self.has(index):
             return True

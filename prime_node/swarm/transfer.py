@@ -18,7 +18,15 @@ from typing import Protocol
 
 from prime_node.swarm.checkpoint import read_piece_from_files
 from protocol.codec import Message, decode_any, encode
-from protocol.dataplane import decode_indexed, decode_piece, encode_indexed, encode_piece
+from protocol.dataplane import (
+    DigestedFrame,
+    Frame,
+    decode_digested_piece,
+    decode_indexed,
+    decode_piece,
+    encode_indexed,
+    piece_frame,
+)
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import Manifest
 from protocol.swarm.messages import Cancel, Have, Piece, Reject, Request
@@ -36,14 +44,21 @@ from protocol.swarm.pieceset import full_set
 
 log = logging.getLogger(__name__)
 
-SendFrame = Callable[[Hashable, bytes], None]
+SendFrame = Callable[[Hashable, Frame], None]
 ClosePeer = Callable[[Hashable, str], None]
 
 
-def decode_frame(frame: bytes, max_bytes: int = Piece.MAX_BYTES) -> Message:
+def decode_frame(frame: Frame, max_bytes: int = Piece.MAX_BYTES) -> tuple[Message, bytes | None]:
     """One swarm frame: pieces, ``have``s, requests and cancels (almost every frame) without the general
-    codec's passes, anything else through it. RemoteProtocolError if it is not a message."""
-    return decode_piece(frame) or decode_indexed(frame) or decode_any(frame, max_bytes=max_bytes)
+    codec's passes, anything else through it; and for a piece that came as a digested frame, the BLAKE3
+    of its data as the channel computed it on receipt (None otherwise). RemoteProtocolError if it is not
+    a message."""
+    if isinstance(frame, DigestedFrame):
+        piece = decode_digested_piece(frame)
+        if piece is not None:
+            return piece, frame.digest
+        frame = frame.joined()
+    return decode_piece(frame) or decode_indexed(frame) or decode_any(frame, max_bytes=max_bytes), None
 
 
 def encode_message(message: Message) -> bytes:
@@ -60,7 +75,7 @@ class PieceSource(Protocol):
 
     def read(self, index: int) -> bytes: ...
 
-    def write(self, index: int, data: bytes) -> bool: ...
+    def write(self, index: int, data: bytes, *, digest: bytes | None = None) -> bool: ...
 
 
 class OriginDirectory:
@@ -74,8 +89,8 @@ class OriginDirectory:
     def read(self, index: int) -> bytes:
         return read_piece_from_files(self.directory, self.manifest, index)
 
-    def write(self, index: int, data: bytes) -> bool:
-        return self.manifest.piece_is_valid(index, data)
+    def write(self, index: int, data: bytes, *, digest: bytes | None = None) -> bool:
+        return self.manifest.piece_is_valid(index, data, digest=digest)
 
 
 class CheckpointTransfer:
@@ -106,6 +121,8 @@ class CheckpointTransfer:
         self.completed = self.node.complete
         self.bytes_in = 0
         self.bytes_out = 0
+        self._received_digest: tuple[Hashable, int, bytes] | None = None
+        """(peer, index, BLAKE3) of the piece being handled, if the channel hashed it on receipt."""
 
     def connected(self, peer: Hashable, now: float) -> None:
         self._run(self.node.connected(peer, now), now)
@@ -116,24 +133,30 @@ class CheckpointTransfer:
     def tick(self, now: float) -> None:
         self._run(self.node.tick(now), now)
 
-    def frame(self, peer: Hashable, data: bytes, now: float) -> None:
+    def frame(self, peer: Hashable, data: Frame, now: float) -> None:
         """One frame received from ``peer``. Undecodable bytes ban the peer."""
         self.bytes_in += len(data)
         try:
-            message = decode_frame(data)
+            message, digest = decode_frame(data)
         except RemoteProtocolError as exc:
             log.warning("banning %s: undecodable frame (%s: %s)", peer, exc.reason, exc)
             self._run(self.node.ban(peer, exc.reason, now), now)
             return
-        self.receive(peer, message, now)
+        self.receive(peer, message, now, digest=digest)
 
-    def receive(self, peer: Hashable, message: Message, now: float) -> None:
-        """One message already decoded by a transport that routes several versions over one connection."""
+    def receive(self, peer: Hashable, message: Message, now: float, *, digest: bytes | None = None) -> None:
+        """One message already decoded by a transport that routes several versions over one connection;
+        ``digest``: a piece's BLAKE3 as the channel computed it on receipt (``decode_frame``)."""
         if not self.upload and isinstance(message, Request):
             # A leecher serves nobody: whoever asks is refused (once per piece; it then asks elsewhere).
             self._emit(peer, encode(Reject(self.manifest_id, message.index, "missing")))
             return
-        self._run(self.node.receive(peer, message, now), now)
+        if digest is not None and isinstance(message, Piece):
+            self._received_digest = (peer, message.index, digest)
+        try:
+            self._run(self.node.receive(peer, message, now), now)
+        finally:
+            self._received_digest = None
 
     def _run(self, actions: list[Action], now: float) -> None:
         queue = deque(actions)
@@ -148,11 +171,16 @@ class CheckpointTransfer:
                     last = (action.message, encode_message(action.message))
                 self._emit(action.peer, last[1])
             elif isinstance(action, Upload):
-                frame = encode_piece(self.manifest_id, action.index, self.pieces.read(action.index))
-                self._emit(action.peer, frame)
+                # The MAC covers the piece's hash from the manifest, not the piece: no hashing here.
+                data = self.pieces.read(action.index)
+                piece_hash = self.manifest.piece_hash(action.index)
+                self._emit(action.peer, piece_frame(self.manifest_id, action.index, data, piece_hash))
                 queue += self.node.upload_done(action.peer, action.index, now)
             elif isinstance(action, Verify):
-                valid = self.pieces.write(action.index, action.data)
+                received = self._received_digest
+                known = received is not None and received[:2] == (action.peer, action.index)
+                digest = received[2] if received is not None and known else None
+                valid = self.pieces.write(action.index, action.data, digest=digest)
                 if not valid:
                     log.warning(
                         "piece %d from %s fails its hash: banning the peer", action.index, action.peer
@@ -167,6 +195,6 @@ class CheckpointTransfer:
                     self._on_complete()
             # AbortUpload: frames go out whole as soon as they are made, so there is nothing to stop.
 
-    def _emit(self, peer: Hashable, frame: bytes) -> None:
+    def _emit(self, peer: Hashable, frame: Frame) -> None:
         self.bytes_out += len(frame)
         self._send(peer, frame)

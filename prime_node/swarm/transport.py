@@ -1,8 +1,9 @@
 """The weight swarm's data plane: wallet-authenticated channels (prime_node/dataplane/channel.py) to a
 bounded set of neighbours, one channel per peer pair, each with a bounded send queue.
 
-The swarm above it sees only peers (wallet addresses) and frames: ``on_up(peer)``, ``on_frame(peer,
-bytes)``, ``on_down(peer)``, and ``send(peer, frame)`` which never blocks (CheckpointTransfer's callbacks
+The swarm above it sees only peers (wallet addresses) and frames (``bytes``, or a piece as a
+``DigestedFrame``): ``on_up(peer)``, ``on_frame(peer, frame)``, ``on_down(peer)``, and ``send(peer, frame)``
+which never blocks (CheckpointTransfer's callbacks
 are synchronous). A frame that would overflow a peer's queue closes that peer: a neighbour that cannot keep
 up is worth less than the memory it would pin. Every queued byte and every byte of a frame being received
 is also reserved from one ``MemoryBudget`` shared by all channels (prime_node/dataplane/budget.py): when
@@ -46,7 +47,7 @@ from prime_node.dataplane.libp2p_stream import FallbackServer, P2PStream, RouteS
 from prime_node.dataplane.streams import TCP, StreamTransport
 from prime_node.p2p.interface import P2PHost
 from prime_node.swarm.peer_traffic import PeerTraffic, Route
-from protocol.dataplane import FrameDeadlines
+from protocol.dataplane import Frame, FrameDeadlines
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class Link:
     """The channel runs over a libp2p stream (the peer's TCP port did not reach it)."""
     route: Route = Route.TCP
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    queue: deque[bytes] = field(default_factory=deque)
+    queue: deque[Frame] = field(default_factory=deque)
     queued_bytes: int = 0
     wake: trio.Event = field(default_factory=trio.Event)
     alive: bool = True
@@ -88,7 +89,7 @@ class DataPlane:
         key: WalletKey,
         *,
         on_up: Callable[[Address], None],
-        on_frame: Callable[[Address, bytes], None],
+        on_frame: Callable[[Address, Frame], None],
         on_down: Callable[[Address], None],
         max_inbound: int = DEFAULT_MAX_INBOUND,
         transport: StreamTransport = TCP,
@@ -178,7 +179,7 @@ class DataPlane:
 
     # --- sending --------------------------------------------------------------------------------------
 
-    def send(self, peer: Address, frame: bytes) -> None:
+    def send(self, peer: Address, frame: Frame) -> None:
         link = self.links.get(peer)
         if link is None or not link.alive:
             return
@@ -255,7 +256,7 @@ class DataPlane:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._sender, link)
                     try:
-                        async for frame in channel:
+                        async for frame in channel.frames():
                             self.bytes_in += len(frame)
                             self.traffic.add(peer, link.route, bytes_in=len(frame))
                             self.on_frame(peer, frame)
@@ -331,9 +332,9 @@ class DataPlane:
         self._drop(link)
 
 
-def _next_batch(queue: deque[bytes]) -> list[bytes]:
+def _next_batch(queue: deque[Frame]) -> list[Frame]:
     """The frames at the head of ``queue`` that go out together (at least one)."""
-    batch: list[bytes] = []
+    batch: list[Frame] = []
     size = 0
     for frame in queue:
         if batch and (len(batch) == MAX_BATCH_FRAMES or size + len(frame) > MAX_BATCH_BYTES):

@@ -18,6 +18,7 @@ from collections.abc import Hashable
 
 from prime_node.swarm.service import SwarmService
 from protocol.codec import decode_any, encode
+from protocol.dataplane import DigestedFrame, Frame
 from protocol.swarm.messages import Bitfield, Have, ManifestEnvelope, Piece, Request
 
 
@@ -31,7 +32,10 @@ def hoard(swarm: SwarmService, mode: HoardMode) -> None:
     send = swarm.dataplane.send
     max_bytes = max(Piece.MAX_BYTES, ManifestEnvelope.MAX_BYTES)
 
-    def hoarding_send(peer: Hashable, frame: bytes) -> None:
+    def hoarding_send(peer: Hashable, frame: Frame) -> None:
+        if isinstance(frame, DigestedFrame):  # a piece: hoarders still upload what they are asked for
+            send(peer, frame)  # type: ignore[arg-type]
+            return
         message = decode_any(frame, max_bytes=max_bytes)
         if isinstance(message, Have) or (mode is HoardMode.SIT and isinstance(message, Request)):
             return

@@ -1,28 +1,34 @@
 """An in-memory transport for CheckpointTransfer: frames queue in order and are delivered one at a time,
 so several transfers (an origin, fetchers with real PieceStores on disk, a misbehaving peer) can move a
-real checkpoint between them in a test without a network."""
+real checkpoint between them in a test without a network.
+
+A digested frame (a piece) is delivered as the receiving data-plane channel would deliver it: with the
+digest of the bytes that arrived, never the sender's; if the sender named another digest, the channel's
+MAC check would fail and close the link, and so does this transport."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Hashable
 
+from crypto.digests import blake3
 from prime_node.swarm.transfer import CheckpointTransfer
+from protocol.dataplane import DigestedFrame, Frame
 
-FrameFilter = Callable[[bytes], bytes]
+FrameFilter = Callable[[Frame], Frame]
 
 
 class LoopbackSwarm:
     def __init__(self) -> None:
         self.transfers: dict[str, CheckpointTransfer] = {}
         self.links: set[frozenset[str]] = set()
-        self.queue: deque[tuple[str, str, bytes]] = deque()
+        self.queue: deque[tuple[str, str, Frame]] = deque()
         self.tamper: dict[str, FrameFilter] = {}
         self.now = 0.0
         self.delivered = 0
 
-    def sender(self, name: str) -> Callable[[Hashable, bytes], None]:
-        def send(peer: Hashable, frame: bytes) -> None:
+    def sender(self, name: str) -> Callable[[Hashable, Frame], None]:
+        def send(peer: Hashable, frame: Frame) -> None:
             if name in self.tamper:
                 frame = self.tamper[name](frame)
             self.queue.append((name, str(peer), frame))
@@ -59,6 +65,13 @@ class LoopbackSwarm:
                 return
             src, dst, frame = self.queue.popleft()
             self.now += 0.001
-            if frozenset((src, dst)) in self.links:
-                self.delivered += 1
-                self.transfers[dst].frame(src, frame, self.now)
+            if frozenset((src, dst)) not in self.links:
+                continue
+            if isinstance(frame, DigestedFrame):
+                digest = blake3(bytes(frame.bulk))
+                if frame.digest is not None and frame.digest != digest:  # the channel's MAC would fail
+                    self.closer(src)(dst, "bad_mac")
+                    continue
+                frame = DigestedFrame(frame.head, frame.bulk, digest)
+            self.delivered += 1
+            self.transfers[dst].frame(src, frame, self.now)

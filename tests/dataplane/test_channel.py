@@ -15,6 +15,7 @@ import pytest
 import trio
 import trio.testing
 
+from crypto.digests import blake3
 from crypto.keys import WalletKey
 from prime_node.dataplane.channel import (
     AuthenticatedChannel,
@@ -25,7 +26,17 @@ from prime_node.dataplane.channel import (
 )
 from prime_node.dataplane.streams import TCP, StreamTransport
 from prime_node.testing.memory_streams import MemoryStreamNetwork
-from protocol.dataplane import FRAME_HEADER, HANDSHAKE_MAX_FRAME, FrameDeadlines
+from protocol.dataplane import (
+    DIGESTED,
+    FRAME_HEADER,
+    HANDSHAKE_MAX_FRAME,
+    HEAD_LENGTH,
+    MAX_DIGESTED_HEAD,
+    TAG_SIZE,
+    DigestedFrame,
+    Frame,
+    FrameDeadlines,
+)
 
 A, B, C = (WalletKey(hashlib.sha256(label).digest()) for label in (b"a", b"b", b"c"))
 HOST = "127.0.0.1"
@@ -348,3 +359,116 @@ async def test_over_tcp_a_body_trickling_under_the_low_water_mark_still_counts_a
         await channel.aclose()
         nursery.cancel_scope.cancel()
     assert outcome == [body]
+
+
+async def test_digested_frames_arrive_with_the_digest_of_what_arrived(
+    transport: StreamTransport, clock: object
+) -> None:
+    """Plain and digested frames, small (cut from the read buffer) and large (read into chunks), in one
+    batch and one by one: each arrives as sent, a digested one with the BLAKE3 of its bulk computed on
+    receipt, and ``receive_frame`` gives its head and bulk joined."""
+    bulks = [os.urandom(size) for size in (0, 7, 30_000, (32 << 10) + 1, 1 << 20, 3 << 20)]
+    frames: list[Frame] = [b"plain", *(DigestedFrame(os.urandom(45), bulk, blake3(bulk)) for bulk in bulks)]
+    frames += [DigestedFrame(b"", bulk) for bulk in bulks[:4]]  # no digest given: the sender hashes
+    frames += [os.urandom(70_000)]
+    received: list[Frame] = []
+    joined: list[bytes] = []
+
+    async def collect(channel: AuthenticatedChannel) -> None:
+        async for frame in channel.frames():
+            received.append(frame)
+            if len(received) == len(frames):
+                joined.append(await channel.receive_frame())
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(functools.partial(serve_channels, B, collect, transport=transport))
+        channel = await open_channel(HOST, port, A, expected_peer=B.address, transport=transport)
+        await channel.send_frames(frames[:5])
+        for frame in frames[5:]:
+            await channel.send_frame(frame)  # type: ignore[arg-type]
+        await channel.send_frames([DigestedFrame(b"head", b"bulk")])
+        with trio.fail_after(10):
+            while not joined:
+                await trio.sleep(0.01)
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert joined == [b"headbulk"]
+    for sent, got in zip(frames, received, strict=True):
+        if isinstance(sent, DigestedFrame):
+            assert isinstance(got, DigestedFrame)
+            assert (got.head, bytes(got.bulk), got.digest) == (sent.head, bytes(sent.bulk), blake3(sent.bulk))
+        else:
+            assert got == sent
+
+
+async def _refused_reason(
+    transport: StreamTransport, send: Callable[[AuthenticatedChannel], Awaitable[None]]
+) -> str:
+    """Open a channel, let ``send`` write to it (in the background: it may block until read), and return
+    the reason the listener refused the frame with."""
+
+    async def dial(port: int, outcome: list[object]) -> None:
+        channel = await open_channel(HOST, port, A, expected_peer=B.address, transport=transport)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, channel)
+            with trio.fail_after(5):
+                while not outcome:
+                    await trio.sleep(0.01)
+            assert isinstance(outcome[0], AuthenticatedChannel)
+            with pytest.raises(ChannelError) as caught:
+                await outcome[0].receive()
+            outcome.append(caught.value.reason)
+            nursery.cancel_scope.cancel()
+        await channel.aclose()
+
+    outcome = await _listener_outcome(transport, B, dial)
+    return str(outcome[-1])
+
+
+@pytest.mark.parametrize("size", [100, 200_000])
+async def test_a_digested_frame_whose_digest_is_not_its_bulks_fails_its_mac(
+    transport: StreamTransport, clock: object, size: int
+) -> None:
+    """What a sender's MAC names is the digest; bytes that do not hash to it (a piece that went bad on the
+    sender's disk, or bytes changed on the way) are refused before anyone looks at them."""
+    bulk = os.urandom(size)
+
+    async def send(channel: AuthenticatedChannel) -> None:
+        await channel.send_frames([DigestedFrame(b"h", bulk, blake3(bulk[1:] + b"x"))])
+
+    assert await _refused_reason(transport, send) == "bad_mac"
+
+
+@pytest.mark.parametrize("flip_at", [0, 4, 5, 60, 5_000])
+async def test_a_man_in_the_middle_flipping_a_digested_frame_is_detected(
+    transport: StreamTransport, clock: object, flip_at: int
+) -> None:
+    """One bit flipped in the length word (over the cap), the head length, the head, the bulk: each is
+    refused at that frame. The frame is sealed with the channel's own keys and counter and written raw,
+    flipped: what a man in the middle would forward."""
+    bulk = os.urandom(8_000)
+    frame = DigestedFrame(os.urandom(50), bulk, blake3(bulk))
+
+    async def send(channel: AuthenticatedChannel) -> None:
+        start, tag = channel._sealer.seal_digested(frame)
+        wire = bytearray(start + bulk + tag)
+        wire[flip_at] ^= 0x01
+        await channel._stream.send_all(bytes(wire))
+
+    reason = await _refused_reason(transport, send)
+    assert reason == ("frame_too_large" if flip_at == 0 else "bad_mac")
+
+
+@pytest.mark.parametrize(("head_length", "length"), [(MAX_DIGESTED_HEAD + 1, 100_000), (50, 20)])
+async def test_a_digested_head_over_its_cap_is_refused(
+    transport: StreamTransport, clock: object, head_length: int, length: int
+) -> None:
+    """A head length over MAX_DIGESTED_HEAD, or longer than its frame, is refused from its 2-byte field."""
+
+    async def send(channel: AuthenticatedChannel) -> None:
+        rest = bytes(length - HEAD_LENGTH.size + TAG_SIZE)
+        await channel._stream.send_all(
+            FRAME_HEADER.pack(DIGESTED | length) + HEAD_LENGTH.pack(head_length) + rest
+        )
+
+    assert await _refused_reason(transport, send) == "bad_frame_head"

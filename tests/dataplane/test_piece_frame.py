@@ -1,5 +1,6 @@
-"""The piece frame's own encoder/decoder (protocol/dataplane.py) against the general codec: the same bytes
-out, and a frame is taken only if the codec would read it as that very piece."""
+"""The piece frame's own encoder/decoders (protocol/dataplane.py) against the general codec: the same bytes
+out (a digested frame's head and data joined), and a frame is taken only if the codec would read it as that
+very piece."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol.codec import decode_any, encode
-from protocol.dataplane import decode_indexed, decode_piece, encode_indexed, encode_piece
+from protocol.dataplane import (
+    DigestedFrame,
+    decode_digested_piece,
+    decode_indexed,
+    decode_piece,
+    encode_indexed,
+    piece_frame,
+)
 from protocol.errors import LocalProtocolError
 from protocol.manifest import MAX_PIECE_SIZE, MAX_PIECES
 from protocol.swarm.messages import Cancel, Have, Piece, Request
@@ -20,9 +28,26 @@ bodies = st.binary(max_size=600) | st.integers(0, 70_000).map(bytes)
 
 @given(manifest_ids, indices, bodies)
 def test_encoding_a_piece_gives_the_codecs_bytes_and_reads_back(mid: bytes, index: int, data: bytes) -> None:
-    frame = encode_piece(mid, index, data)
+    digested = piece_frame(mid, index, data, None)
+    frame = digested.joined()
     assert frame == encode(Piece(mid, index, data))
     assert decode_piece(frame) == Piece(mid, index, data) == decode_any(frame)
+    assert decode_digested_piece(digested) == Piece(mid, index, data)
+    assert digested.bulk is data  # the data goes out from its own buffer, never copied into a frame
+
+
+@given(manifest_ids, indices, st.binary(max_size=300), st.integers(-8, 8))
+def test_a_digested_frame_split_anywhere_else_is_left_to_the_codec(
+    mid: bytes, index: int, data: bytes, shift: int
+) -> None:
+    """Only the canonical head with exactly its data is a digested piece; a head that also holds data bytes
+    (or lacks some of its own) is decoded from the joined bytes, where the bulk's digest means nothing."""
+    frame = encode(Piece(mid, index, data))
+    split = len(piece_frame(mid, index, data, None).head) + shift
+    if not 0 <= split <= len(frame):
+        return
+    moved = DigestedFrame(frame[:split], frame[split:])
+    assert (decode_digested_piece(moved) is not None) == (shift == 0)
 
 
 @given(manifest_ids, indices, st.binary(max_size=300), st.data())
@@ -61,11 +86,11 @@ def test_frames_that_are_not_a_canonical_piece_are_left_to_the_codec(frame: byte
 
 def test_fields_out_of_bounds_are_refused_as_the_codec_refuses_them() -> None:
     with pytest.raises(LocalProtocolError):
-        encode_piece(bytes(31), 0, b"x")
+        piece_frame(bytes(31), 0, b"x", None)
     with pytest.raises(LocalProtocolError):
-        encode_piece(bytes(32), MAX_PIECES, b"x")
+        piece_frame(bytes(32), MAX_PIECES, b"x", None)
     with pytest.raises(LocalProtocolError):
-        encode_piece(bytes(32), 0, bytes(MAX_PIECE_SIZE + 1))
+        piece_frame(bytes(32), 0, bytes(MAX_PIECE_SIZE + 1), None)
 
 
 indexed_kinds = st.sampled_from([Have, Request, Cancel])

@@ -8,12 +8,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from crypto.digests import blake3
 from crypto.keys import WalletKey
 from protocol.codec import decode, encode
 from protocol.dataplane import (
     FRAME_HEADER,
+    HEAD_LENGTH,
+    MAX_DIGESTED_HEAD,
     TAG_SIZE,
     Auth,
+    DigestedFrame,
     Direction,
     FrameOpener,
     FrameSealer,
@@ -22,6 +26,7 @@ from protocol.dataplane import (
     Role,
     SessionKeys,
     dialer_auth_digest,
+    is_digested,
     transcript_hash,
 )
 from protocol.errors import LocalProtocolError, RemoteProtocolError
@@ -254,3 +259,85 @@ def test_oversized_lengths_are_refused_from_the_header_alone() -> None:
         sealer.seal(bytes(MAX_FRAME + 1))
     at_cap = FrameOpener(b"k" * 32, Direction.DIALER_TO_LISTENER, max_frame=MAX_FRAME)
     assert at_cap.body_length(FRAME_HEADER.pack(MAX_FRAME)) == MAX_FRAME
+
+
+def _open_any_wire(opener: FrameOpener, wire: bytes) -> bytes | DigestedFrame:
+    """One whole frame as received, plain or digested (as the channel parses it)."""
+    header = wire[: FRAME_HEADER.size]
+    length = opener.body_length(header)
+    if not is_digested(header):
+        return opener.open_wire(wire)
+    if len(wire) != FRAME_HEADER.size + length + TAG_SIZE or length < HEAD_LENGTH.size:
+        opener.broken = True
+        raise RemoteProtocolError("truncated", reason="truncated_frame")
+    body = wire[FRAME_HEADER.size : FRAME_HEADER.size + length]
+    head_end = HEAD_LENGTH.size + opener.head_length(length, body[: HEAD_LENGTH.size])
+    head, bulk = body[HEAD_LENGTH.size : head_end], body[head_end:]
+    return DigestedFrame(head, bulk, opener.open_digested(length, head, bulk, wire[-TAG_SIZE:]))
+
+
+def _seal_digested_wire(sealer: FrameSealer, frame: DigestedFrame) -> bytes:
+    start, tag = sealer.seal_digested(frame)
+    return start + bytes(frame.bulk) + tag
+
+
+mixed = st.lists(
+    st.binary(max_size=300) | st.tuples(st.binary(max_size=60), st.binary(max_size=3000)),
+    min_size=1,
+    max_size=6,
+)
+
+
+@given(mixed, st.booleans())
+def test_plain_and_digested_frames_round_trip_in_order(sent: list[object], claim: bool) -> None:
+    """Digested frames share the counter with plain ones; each arrives with the digest of its bulk, whether
+    the sender named it (a piece's manifest hash) or hashed the bulk itself."""
+    sealer, opener = _pair()
+    for item in sent:
+        if isinstance(item, bytes):
+            assert _open_any_wire(opener, sealer.seal_wire(item)) == item
+        else:
+            head, bulk = item  # type: ignore[misc]
+            frame = DigestedFrame(head, bulk, blake3(bulk) if claim else None)
+            assert _open_any_wire(opener, _seal_digested_wire(sealer, frame)) == DigestedFrame(
+                head, bulk, blake3(bulk)
+            )
+
+
+@given(
+    head=st.binary(max_size=60),
+    bulk=st.binary(max_size=600),
+    position=st.integers(0, 10_000),
+    bit=st.integers(0, 7),
+)
+def test_any_bit_flip_in_a_digested_frame_is_rejected(
+    head: bytes, bulk: bytes, position: int, bit: int
+) -> None:
+    """Including the flag bit: a digested frame read as a plain one (or the reverse) fails its MAC."""
+    sealer, opener = _pair()
+    wire = bytearray(_seal_digested_wire(sealer, DigestedFrame(head, bulk)))
+    wire[position % len(wire)] ^= 1 << bit
+    with pytest.raises(RemoteProtocolError) as caught:
+        _open_any_wire(opener, bytes(wire))
+    assert caught.value.reason in {"bad_mac", "truncated_frame", "frame_too_large", "bad_frame_head"}
+
+
+def test_a_digested_frame_never_passes_for_a_plain_one_with_the_same_bytes() -> None:
+    sealer, opener = _pair()
+    start, tag = sealer.seal_digested(DigestedFrame(b"head", b"bulk"))
+    body = start[FRAME_HEADER.size :] + b"bulk"
+    with pytest.raises(RemoteProtocolError) as caught:
+        opener.open_wire(FRAME_HEADER.pack(len(body)) + body + tag)
+    assert caught.value.reason == "bad_mac"
+
+
+def test_digested_frames_over_the_caps_are_refused_on_both_ends() -> None:
+    sealer, _ = _pair(max_frame=1000)
+    with pytest.raises(LocalProtocolError):
+        sealer.seal_digested(DigestedFrame(b"", bytes(999)))
+    with pytest.raises(LocalProtocolError):
+        _pair()[0].seal_digested(DigestedFrame(bytes(MAX_DIGESTED_HEAD + 1), b""))
+    _, opener = _pair()
+    with pytest.raises(RemoteProtocolError) as caught:
+        opener.head_length(100, HEAD_LENGTH.pack(99))  # head and its length field longer than the frame
+    assert caught.value.reason == "bad_frame_head"

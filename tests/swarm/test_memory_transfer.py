@@ -4,6 +4,7 @@ disk, byte-for-byte comparison) with every timer virtual, so the runs are quick 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Callable, Hashable
@@ -22,7 +23,8 @@ from prime_node.swarm.transfer import CheckpointTransfer, OriginDirectory, Piece
 from prime_node.swarm.transport import DataPlane
 from prime_node.testing.memory_streams import MemoryStreamNetwork
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
-from protocol.codec import decode_any, encode
+from protocol.codec import decode_any
+from protocol.dataplane import DigestedFrame, Frame
 from protocol.swarm.messages import Piece
 from protocol.swarm.node import SwarmConfig
 
@@ -63,7 +65,7 @@ async def start_swarm_peer(
     *,
     seed: int,
     config: SwarmConfig | None = None,
-    tamper: Callable[[bytes], bytes] | None = None,
+    tamper: Callable[[Frame], Frame] | None = None,
 ) -> SwarmPeer:
     """Wire a transfer to a data plane as the swarm service does: callbacks in, ``send``/``close`` out, a
     tick every second of (virtual) time. ``tamper`` rewrites every frame this peer sends."""
@@ -71,7 +73,7 @@ async def start_swarm_peer(
     done = trio.Event()
     planes: list[DataPlane] = []
 
-    def send(peer: Hashable, frame: bytes) -> None:
+    def send(peer: Hashable, frame: Frame) -> None:
         planes[0].send(_address(peer), tamper(frame) if tamper is not None else frame)
 
     transfer = CheckpointTransfer(
@@ -169,17 +171,22 @@ async def test_an_origin_and_three_fetchers_over_memory_streams_end_byte_identic
     assert origin.plane.bytes_out >= total  # the pieces it made went out on its streams
 
 
+def _flip_piece_bytes(frame: Frame, *, claim_manifest_hash: bool) -> Frame:
+    """A piece with its first byte flipped; the frame's MAC covers what is sent (a liar that MACs its own
+    bytes) or, with ``claim_manifest_hash``, the manifest's hash (an honest node whose stored piece went
+    bad: it sends the hash from the manifest without hashing the piece)."""
+    if isinstance(frame, DigestedFrame):
+        bulk = bytes([frame.bulk[0] ^ 1]) + bytes(frame.bulk[1:])
+        return DigestedFrame(frame.head, bulk, frame.digest if claim_manifest_hash else None)
+    message = decode_any(frame, max_bytes=Piece.MAX_BYTES)
+    assert not isinstance(message, Piece)  # pieces always go digested
+    return frame
+
+
 async def test_a_corrupting_holder_is_banned_and_the_download_completes_identical(
     tmp_path: Path, shared: SharedCheckpoint, autojump_clock: trio.testing.MockClock
 ) -> None:
-    def flip_piece_bytes(frame: bytes) -> bytes:
-        message = decode_any(frame, max_bytes=Piece.MAX_BYTES)
-        if isinstance(message, Piece):
-            return encode(
-                Piece(message.manifest_id, message.index, bytes([message.data[0] ^ 1]) + message.data[1:])
-            )
-        return frame
-
+    flip_piece_bytes = functools.partial(_flip_piece_bytes, claim_manifest_hash=False)
     network = MemoryStreamNetwork()
     stores = [PieceStore.open(tmp_path / f"fetcher{i}", shared.manifest) for i in range(2)]
     async with trio.open_nursery() as nursery:
@@ -211,6 +218,38 @@ async def test_a_corrupting_holder_is_banned_and_the_download_completes_identica
         assert_identical(store, tmp_path / f"out{i}", shared)
 
 
+async def test_a_holder_whose_stored_pieces_went_bad_loses_its_channels_and_the_download_completes(
+    tmp_path: Path,
+    shared: SharedCheckpoint,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A sender MACs a piece with the manifest's hash instead of hashing it. If its copy went bad on disk,
+    the receiver's own digest of the bytes differs, so the frame fails its MAC and the channel closes
+    (bad_mac) before the piece is looked at: the download goes on from the others and stays identical.
+    Nothing proves who changed the bytes (the sender or the path), so nobody is banned for it."""
+    flip_piece_bytes = functools.partial(_flip_piece_bytes, claim_manifest_hash=True)
+    network = MemoryStreamNetwork()
+    store = PieceStore.open(tmp_path / "fetcher", shared.manifest)
+    async with trio.open_nursery() as nursery:
+        honest = await start_swarm_peer(
+            nursery, network, shared, full_store(tmp_path / "honest", shared), seed=0
+        )
+        rotten = await start_swarm_peer(
+            nursery, network, shared, full_store(tmp_path / "rotten", shared), seed=1, tamper=flip_piece_bytes
+        )
+        fetcher = await start_swarm_peer(nursery, network, shared, store, seed=2)
+        fetcher.dial(rotten)
+        fetcher.dial(honest)
+        with trio.fail_after(600):
+            await fetcher.done.wait()
+        assert rotten.transfer.bytes_out > 0  # it did send pieces
+        assert "(bad_mac)" in caplog.text  # refused by the channel, not stored
+        assert not fetcher.transfer.node.banned
+        nursery.cancel_scope.cancel()
+    assert_identical(store, tmp_path / "out", shared)
+
+
 class WatchedStore:
     """A PieceSource that calls ``after_write`` each time a piece is stored. Pieces flow without virtual
     time moving, so polling would only ever see a finished transfer; this acts at an exact point in it."""
@@ -223,8 +262,8 @@ class WatchedStore:
     def read(self, index: int) -> bytes:
         return self.store.read(index)
 
-    def write(self, index: int, data: bytes) -> bool:
-        stored = self.store.write(index, data)
+    def write(self, index: int, data: bytes, *, digest: bytes | None = None) -> bool:
+        stored = self.store.write(index, data, digest=digest)
         self.have = self.store.have
         self.after_write()
         return stored

@@ -11,8 +11,7 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.errors import NodeError
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
-from protocol.codec import decode_any, encode
-from protocol.swarm.messages import Piece
+from protocol.dataplane import DigestedFrame
 from tests.swarm.network_helpers import start_peer
 
 
@@ -110,10 +109,8 @@ async def test_a_corrupting_peer_is_banned_and_the_download_completes_identical(
         lying = False
 
         def corrupt(peer, frame):  # type: ignore[no-untyped-def]
-            message = decode_any(frame, max_bytes=Piece.MAX_BYTES)
-            if lying and isinstance(message, Piece):
-                data = bytes([message.data[0] ^ 1]) + message.data[1:]
-                frame = encode(Piece(message.manifest_id, message.index, data))
+            if lying and isinstance(frame, DigestedFrame):  # a piece, MAC'd over what the liar sends
+                frame = DigestedFrame(frame.head, bytes([frame.bulk[0] ^ 1]) + bytes(frame.bulk[1:]))
             send(peer, frame)
 
         liar.swarm.dataplane.send = corrupt  # type: ignore[method-assign]

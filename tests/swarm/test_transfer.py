@@ -12,10 +12,10 @@ import pytest
 from crypto.keys import WalletKey
 from prime_node.swarm.checkpoint import SharedCheckpoint, build_checkpoint
 from prime_node.swarm.piece_store import PieceStore
-from prime_node.swarm.transfer import CheckpointTransfer, OriginDirectory, PieceSource
+from prime_node.swarm.transfer import CheckpointTransfer, OriginDirectory, PieceSource, decode_frame
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from prime_node.testing.swarm_loopback import LoopbackSwarm
-from protocol.codec import decode_any, encode
+from protocol.dataplane import DigestedFrame, Frame
 from protocol.swarm.messages import Piece, Reject
 from protocol.swarm.node import SwarmConfig
 
@@ -86,11 +86,10 @@ def test_fetchers_get_a_byte_identical_directory(tmp_path: Path, shared: SharedC
     assert origin_out < 2 * shared.manifest.total_size < peers_out
 
 
-def flip_piece_bytes(frame: bytes) -> bytes:
-    message = decode_any(frame)
-    if isinstance(message, Piece):
-        data = bytes([message.data[0] ^ 0x55]) + message.data[1:]
-        return encode(Piece(message.manifest_id, message.index, data))
+def flip_piece_bytes(frame: Frame) -> Frame:
+    """Every piece with a byte changed, MAC'd over what is sent (the liar hashes its own bytes)."""
+    if isinstance(frame, DigestedFrame):
+        return DigestedFrame(frame.head, bytes([frame.bulk[0] ^ 0x55]) + bytes(frame.bulk[1:]))
     return frame
 
 
@@ -185,8 +184,8 @@ def test_leechers_fetch_from_a_super_seeding_origin_and_serve_nobody(
             swarm.connect(a, b)
     sent_by_leechers: list[object] = []
 
-    def record(frame: bytes) -> bytes:
-        sent_by_leechers.append(decode_any(frame))
+    def record(frame: Frame) -> Frame:
+        sent_by_leechers.append(decode_frame(frame)[0])
         return frame
 
     for name in leechers:
