@@ -41,7 +41,8 @@ def next_beat_at(now: float, interval: float) -> float:
     the grid."""
     if interval <= 0:
         raise LocalProtocolError("the heartbeat interval must be positive", reason="bad_config")
-    return (math.floor(now / interval) + 1) * interval
+    due = (math.floor(now / interval) + 1) * interval
+    return due if due > now else due + interval  # ``now`` on a grid point may divide to just under it
 
 
 class FrameKind(StrEnum):

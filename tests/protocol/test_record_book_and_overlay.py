@@ -396,11 +396,14 @@ def test_links_beat_on_one_grid(now: float, interval: float, later: float) -> No
     assert math.isclose(due / interval, round(due / interval), abs_tol=1e-6)
     other = next_beat_at(now + later % interval, interval)  # a link that beat later in the same interval
     assert other in (due, next_beat_at(due, interval))
+    assert next_beat_at(due, interval) > due  # a beat sent on a grid point is due a whole interval later
 
 
 def test_a_beat_sent_early_keeps_its_link_on_the_grid() -> None:
     assert next_beat_at(10.0, 2.0) == 12.0  # sent on the grid: one interval later
     assert next_beat_at(10.7, 2.0) == 12.0  # sent early for urgent records: back on the grid
     assert next_beat_at(11.999, 2.0) == 12.0
+    grid_point = 53 * 87.6485700942941  # divides back to just under 53: still due one interval later
+    assert math.isclose(next_beat_at(grid_point, 87.6485700942941), 54 * 87.6485700942941)
     with pytest.raises(LocalProtocolError):
         next_beat_at(1.0, 0.0)
