@@ -16,7 +16,7 @@ def keccak256(data: bytes) -> bytes:
     return _keccak.new(data=data, digest_bits=256).digest()
 
 
-def blake3(data: bytes) -> bytes:
+def blake3(data: bytes | bytearray | memoryview) -> bytes:
     """BLAKE3-256: the content hash of pieces, manifests and payloads (2-3x SHA-256 here)."""
     return _blake3.blake3(data).digest()
 

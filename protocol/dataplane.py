@@ -347,7 +347,7 @@ Frame = bytes | DigestedFrame
 
 def is_digested(header: bytes | bytearray | memoryview) -> bool:
     """Whether the frame whose 4-byte header this is was sent digested."""
-    return bool(header[0] & 0x80)
+    return bool(int.from_bytes(header[: FRAME_HEADER.size], "big") & DIGESTED)
 
 
 def digested_tag(
@@ -369,7 +369,7 @@ class DigestedCheck:
     def __init__(self, key: bytes, direction: Direction, counter: int, head: bytes, bulk_length: int) -> None:
         self.counter = counter
         self.length = bulk_length
-        """Bytes of bulk still to feed with ``update`` (the head came whole)."""
+        """Bytes of bulk to feed with ``update`` (the head came whole, before the check began)."""
         self.received = 0
         self.head = head
         self._key = key
@@ -443,7 +443,7 @@ class FrameSealer:
             )
         if self.counter >= _COUNTER_LIMIT:
             raise LocalProtocolError("frame counter exhausted", reason="counter_exhausted")
-        digest = frame.digest if frame.digest is not None else blake3(frame.bulk)  # type: ignore[arg-type]
+        digest = frame.digest if frame.digest is not None else blake3(frame.bulk)
         tag = digested_tag(self._key, self._direction, self.counter, frame.head, len(frame.bulk), digest)
         self.counter += 1
         start = FRAME_HEADER.pack(DIGESTED | length) + HEAD_LENGTH.pack(len(frame.head)) + frame.head

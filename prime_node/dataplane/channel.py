@@ -328,7 +328,7 @@ class AuthenticatedChannel:
             progress.moved()
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._frames()
+        return self._joined_frames()
 
     async def frames(self) -> AsyncIterator[Frame]:
         """Frames as ``receive`` gives them (digested ones kept apart) until the peer closes cleanly
@@ -341,15 +341,10 @@ class AuthenticatedChannel:
                     return
                 raise
 
-    async def _frames(self) -> AsyncIterator[bytes]:
-        """Frames until the peer closes cleanly between frames; any other failure raises."""
-        while True:
-            try:
-                yield await self.receive_frame()
-            except ChannelError as exc:
-                if exc.reason == "closed":
-                    return
-                raise
+    async def _joined_frames(self) -> AsyncIterator[bytes]:
+        """``frames`` as bytes (as ``receive_frame`` gives them)."""
+        async for frame in self.frames():
+            yield frame.joined() if isinstance(frame, DigestedFrame) else frame
 
     async def aclose(self) -> None:
         self.closed = True

@@ -68,7 +68,7 @@ class LoopbackSwarm:
             if frozenset((src, dst)) not in self.links:
                 continue
             if isinstance(frame, DigestedFrame):
-                digest = blake3(bytes(frame.bulk))
+                digest = blake3(frame.bulk)
                 if frame.digest is not None and frame.digest != digest:  # the channel's MAC would fail
                     self.closer(src)(dst, "bad_mac")
                     continue
