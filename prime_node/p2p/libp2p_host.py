@@ -53,13 +53,7 @@ from prime_node.p2p.nat_relay import (
 )
 from prime_node.p2p.provider_guard import ProviderGuard
 from prime_node.p2p.provider_lookup import find_providers as find_run_providers
-from prime_node.p2p.yamux_tuning import (
-    RTT_PING_INTERVAL,
-    credit_per_half_window,
-    rtt_pings_every,
-    tune_yamux,
-    whole_writes,
-)
+from prime_node.p2p.yamux_tuning import credit_per_half_window, tune_yamux, whole_writes
 from protocol.connection_admission import ConnectionLimits
 from protocol.reachability import DialbackLimiter, verdict
 
@@ -742,12 +736,11 @@ def _build_host(
 
     from prime_node.p2p.gossip_router import LeanPubsub
 
-    # yamux closer to go-yamux (prime_node/p2p/yamux_tuning.py): fewer window updates, a message is
-    # written whole or its stream ends, and RTT pings every 2 minutes instead of every 30 s.
+    # yamux closer to go-yamux (prime_node/p2p/yamux_tuning.py): fewer window updates, and a message is
+    # written whole or its stream ends.
     if tune_yamux(os.environ):
         credit_per_half_window()
     whole_writes()
-    rtt_pings_every(RTT_PING_INTERVAL)
     key_pair = create_new_key_pair(key.secret)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     host = new_host(

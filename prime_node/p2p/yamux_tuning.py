@@ -22,14 +22,6 @@ ours that never completes. go-yamux's credit rule made both likelier (a window r
 the flood demo test then hung: the RPCs that did not parse failed the validator's host (docs/security.md,
 *A stream handler that fails*). Now one ``write`` holds the stream until its message is sent, and one that
 gives up resets the stream, so the reader sees the stream end, not garbage.
-
-**RTT pings.** Each py-libp2p yamux connection pings its peer every 30 s to measure the round trip (its
-window auto-tuning reads it); both ends do, so a node with 15 connections handles a ping or a pong every
-half second: ~4 of the ~15 frames per second an idle node handles besides its beats. ``rtt_pings_every``
-sets the interval (``RTT_PING_INTERVAL``, 120 s); the first measurement still comes 0.5 s after a connection
-opens. Neighbour links carry a beat every heartbeat interval anyway, and a connection that carries
-nothing else still sends something every 120 s, far inside the idle time a NAT must keep an established
-TCP mapping (RFC 5382: at least 2 h 4 min).
 """
 
 from __future__ import annotations
@@ -47,8 +39,6 @@ PATCHED_FOR = "0.8.1"
 """The py-libp2p version whose ``YamuxStream`` internals the patches here were written against."""
 WRITE_STALLED = "Timed out waiting for window update"
 """How py-libp2p 0.8.1's ``YamuxStream.write`` says it gave up waiting for window."""
-RTT_PING_INTERVAL = 120.0
-"""Seconds between a connection's RTT pings (py-libp2p 0.8.1: 30)."""
 RELEASE_ON_READ = "PY_YAMUX_RELEASE_ON_READ"
 """py-libp2p's switch (libp2p/stream_muxer/yamux/yamux.py): "0" returns window credit per half window."""
 
@@ -93,17 +83,6 @@ def _patchable(what: str) -> bool:
     if version != PATCHED_FOR:
         log.info("py-libp2p %s, not %s: its own yamux %s stays", version, PATCHED_FOR, what)
         return False
-    return True
-
-
-def rtt_pings_every(seconds: float) -> bool:
-    """Measure each connection's round-trip time every ``seconds`` instead of py-libp2p's 30 s (see the
-    module doc); False, with a log line, on a py-libp2p other than ``PATCHED_FOR``."""
-    if not _patchable("RTT ping interval"):
-        return False
-    from libp2p.stream_muxer.yamux import yamux
-
-    yamux.RTT_MEASURE_INTERVAL = seconds  # type: ignore[assignment]  # read by each connection's ping loop
     return True
 
 

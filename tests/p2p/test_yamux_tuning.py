@@ -1,7 +1,7 @@
 """yamux with window credit returned per half window (prime_node/p2p/yamux_tuning.py): a user's own
 setting wins, and two real hosts on loopback still move many small frames and frames far larger than the
 256 KiB window both ways without stalling, with a WINDOW_UPDATE per half window read, not per read; and
-a message is written whole or its stream is reset; RTT pings as often as set, not every 30 s."""
+a message is written whole or its stream is reset."""
 
 from __future__ import annotations
 
@@ -15,13 +15,7 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.p2p.interface import FramedStream
 from prime_node.p2p.libp2p_host import open_libp2p_host
-from prime_node.p2p.yamux_tuning import (
-    RELEASE_ON_READ,
-    RTT_PING_INTERVAL,
-    rtt_pings_every,
-    tune_yamux,
-    whole_writes,
-)
+from prime_node.p2p.yamux_tuning import RELEASE_ON_READ, tune_yamux, whole_writes
 
 OPEN = functools.partial(open_libp2p_host, listen="/ip4/127.0.0.1/tcp/0")
 
@@ -152,28 +146,3 @@ async def test_two_writers_on_one_stream_never_interleave_their_messages() -> No
             while len(received) < 2 * count:
                 await trio.sleep(0.05)
     assert sorted(received) == sorted([bytes([1]) * size] * count + [bytes([2]) * size] * count)
-
-
-async def _pings_after(wait: float) -> int:
-    """RTT pings the dialling side of a fresh real connection sent within ``wait`` seconds."""
-    async with OPEN(WalletKey.generate()) as a, OPEN(WalletKey.generate()) as b:
-        b.set_stream_handler("/test/idle/1", lambda stream: trio.sleep_forever())
-        await a.connect(b.listen_multiaddrs()[0])
-        stream = await a.open_stream(b.peer_id, "/test/idle/1")
-        raw: Any = stream.raw
-        await trio.sleep(wait)
-        return int(raw._stream.muxed_stream.conn._ping_id)
-
-
-async def test_rtt_pings_come_as_often_as_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An idle node's connections each pinged every 30 s; opening a host sets the interval, which a
-    connection's ping loop reads between pings (the first comes 0.5 s after the connection opens)."""
-    from libp2p.stream_muxer.yamux import yamux
-
-    monkeypatch.setattr(yamux, "RTT_MEASURE_INTERVAL", yamux.RTT_MEASURE_INTERVAL)  # restored afterwards
-    assert await _pings_after(2.0) == 1  # opening the hosts set RTT_PING_INTERVAL
-    assert yamux.RTT_MEASURE_INTERVAL == RTT_PING_INTERVAL > 30
-    with monkeypatch.context() as patch:  # hosts opened below set the interval again: keep ours
-        patch.setattr("prime_node.p2p.libp2p_host.RTT_PING_INTERVAL", 0.25)
-        assert rtt_pings_every(0.25)
-        assert await _pings_after(2.0) >= 4  # the first at 0.5 s, then one every 0.25 s plus the round trip
