@@ -177,9 +177,8 @@ class CheckpointTransfer:
                 self._emit(action.peer, piece_frame(self.manifest_id, action.index, data, piece_hash))
                 queue += self.node.upload_done(action.peer, action.index, now)
             elif isinstance(action, Verify):
-                received = self._received_digest
-                known = received is not None and received[:2] == (action.peer, action.index)
-                digest = received[2] if received is not None and known else None
+                got = self._received_digest  # the channel's digest of this very piece, if it came digested
+                digest = got[2] if got is not None and got[:2] == (action.peer, action.index) else None
                 valid = self.pieces.write(action.index, action.data, digest=digest)
                 if not valid:
                     log.warning(
