@@ -179,3 +179,7 @@ class Overlay:
 
 REFUSAL_MEMORY = 30.0
 FAILURE_PAUSE = 2.0
+REFILL_PAUSE = 0.25
+"""Heartbeat intervals after an attempt ended without a link before a node that still wants links asks
+other peers (not at its next beat: the first members of a swarm fill their slots first, and a joiner
+learns of them first, from its bootstrap's refusal sample)."""

@@ -241,6 +241,7 @@ class Node:
                     clock.uptime(), "start", f"listening on {', '.join(self.advertised_multiaddrs())}"
                 )
                 nursery.start_soon(self._heartbeat_loop)
+                nursery.start_soon(self.links.refill_loop, self._link_candidates)
                 nursery.start_soon(self._membership_loop)
                 nursery.start_soon(self._discovery_loop)
                 for multiaddr in self.config.bootstrap:
@@ -264,10 +265,14 @@ class Node:
         themselves send the beats)."""
         while True:
             self._issue_record()
-            healthy = self.peers_in(PeerState.HEALTHY)
-            self.links.maintain(healthy + [p for p in self.host.connected_peers() if p not in healthy])
+            self.links.maintain(self._link_candidates())
             self.links.check_silence()
             await trio.sleep(self.config.heartbeat_interval)
+
+    def _link_candidates(self) -> list[str]:
+        """Whom a neighbour link may be opened to: healthy members, then peers we are connected to."""
+        healthy = self.peers_in(PeerState.HEALTHY)
+        return healthy + [p for p in self.host.connected_peers() if p not in healthy]
 
     def _issue_record(self) -> None:
         """Sign a new record when what it says changed (passed on at once) or its refresh is due (passed

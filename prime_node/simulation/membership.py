@@ -6,8 +6,10 @@ simulator plays the part ``prime_node/node/neighbour_links.py`` plays in product
 - **Links** form in rounds of one heartbeat interval: each node below its degree calls ``Overlay.choose``
   over the peers it believes healthy, its hellos reach their targets in random order, and the target
   answers with the node's own rule (``Overlay.accepts`` plus the smaller-peer-ID tie break), the opener
-  with ``room_for`` (else a bye) or ``refused`` (busy: the refusal carries a sample of peers). A joiner
-  knows a bootstrap sample of peers until its first link hands it the whole table. To keep ``choose``
+  with ``room_for`` (else a bye) or ``refused`` (busy: the refusal carries a sample of peers). A node
+  refused that still wants links asks again ``REFILL_PAUSE`` of an interval later, within the same
+  round (``NeighbourLinks.refill_loop``). A joiner knows a bootstrap sample of peers until its first
+  link hands it the whole table. To keep ``choose``
   cheap, a node that knows the whole swarm offers it a fresh random sample of ``candidates`` of them,
   which leaves the choice uniformly random.
 - **Records** move event by event (heapq): a record of a peer a node never heard of is passed on after
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.membership import Membership, MembershipConfig, PeerState
-from protocol.overlay import BUSY_SAMPLE, Overlay, OverlayConfig
+from protocol.overlay import BUSY_SAMPLE, REFILL_PAUSE, Overlay, OverlayConfig
 from protocol.record_book import Offer, RecordBook, RecordBookConfig, refresh_interval
 
 BEAT_S = 2.0
@@ -163,32 +165,48 @@ class MembershipSimulation:
         return self.scenario.max_rounds
 
     def _round(self) -> bool:
+        """One heartbeat interval: every node below its degree asks at its beat; one refused asks again
+        every ``REFILL_PAUSE`` of the interval while it still wants links."""
         wanting = sorted(p for p in self.live if self.overlays[p].wanted() > 0)
         if not wanting:
             return False
+        start = self.now
+        for step in range(round(1 / REFILL_PAUSE)):
+            self.now = start + step * REFILL_PAUSE * BEAT_S
+            refused = self._ask(wanting)
+            wanting = sorted(p for p in refused if self.overlays[p].wanted() > 0)
+            if not wanting:
+                break
+        self.now = start + BEAT_S
+        return True
+
+    def _ask(self, wanting: list[str]) -> set[str]:
+        """The ``wanting`` nodes send their hellos; returns the openers an attempt ended without a link."""
         self.rng.shuffle(wanting)
         hellos: list[tuple[str, str]] = []
+        refused: set[str] = set()
         for peer_id in wanting:
             overlay = self.overlays[peer_id]
             for target in overlay.choose(self._candidates(peer_id), self.now, self.rng):
                 if target not in self.live:
                     overlay.refused(target, self.now)  # the dial failed: it left
+                    refused.add(peer_id)
                     continue
                 overlay.opening.add(target)
                 hellos.append((peer_id, target))
         self.rng.shuffle(hellos)
         for opener, target in hellos:
-            self._hello(opener, target)
-        self.now += BEAT_S
-        return True
+            if not self._hello(opener, target):
+                refused.add(opener)
+        return refused
 
     def _candidates(self, peer_id: str) -> list[str]:
         if peer_id in self.knows_all:
             return self.rng.sample(self.believed, min(self.scenario.candidates, len(self.believed)))
         return self.known[peer_id]
 
-    def _hello(self, opener: str, target: str) -> None:
-        """One hello, answered as NeighbourLinks._serve / _open answer it."""
+    def _hello(self, opener: str, target: str) -> bool:
+        """One hello, answered as NeighbourLinks._serve / _open answer it; True if the link stands."""
         mine, theirs = self.overlays[opener], self.overlays[target]
         if opener in theirs.links or opener in theirs.opening:
             welcome = opener < target
@@ -201,15 +219,16 @@ class MembershipSimulation:
                 self.known[opener] = self.known[opener] + self.rng.sample(
                     self.believed, min(BUSY_SAMPLE, len(self.believed))
                 )
-            return
+            return False
         theirs.linked(opener, inbound=True)
         self.knows_all.update((opener, target))  # link_up: each sends the other its whole table
         if mine.room_for(target):
             mine.linked(target, inbound=False)
-        else:
-            self.byes += 1
-            theirs.unlinked(opener)
-            mine.refused(target, self.now)
+            return True
+        self.byes += 1
+        theirs.unlinked(opener)
+        mine.refused(target, self.now)
+        return False
 
     def degrees(self) -> Degrees:
         live = sorted(self.live)

@@ -324,3 +324,43 @@ async def test_only_the_members_nearest_the_run_key_announce_it_and_a_joiner_fin
         await trio.sleep(30 * first.config.heartbeat_interval)
         assert [n.metrics.counters["discovery_rounds"] for n in nodes] == rounds  # links full: no lookups
         nursery.cancel_scope.cancel()
+
+
+async def test_a_joiner_refused_by_a_full_bootstrap_asks_the_peers_it_sampled_before_its_next_heartbeat(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """The bootstrap has one slot, taken by an earlier member: it refuses the joiner with a sample of its
+    records. The joiner asks that member within a quarter of an interval (``REFILL_PAUSE``), not at its
+    next heartbeat a whole interval after it joined."""
+    keys = sorted(
+        (WalletKey.generate() for _ in range(2)), key=lambda k: peer_id_from_public_key(k.public_key)
+    )
+    joiner_key, member_key = keys  # the joiner's ID is the smaller: it dials at once (no DIAL_YIELD_DELAY)
+    network = MemoryNetwork()
+    interval = 4.0
+    one_slot = {"neighbours": 1, "max_neighbours": 1, "heartbeat_interval": interval}
+    async with trio.open_nursery() as nursery:
+        boot, _ = await start_node(
+            nursery, network.host, make_config(tmp_path, 0, **one_slot), serve_api=False
+        )
+        address = boot.host.listen_multiaddrs()[0]
+        member, _ = await start_node(
+            nursery,
+            network.host,
+            make_config(tmp_path, 1, bootstrap=(address,), neighbours=1, heartbeat_interval=interval),
+            key=member_key,
+            serve_api=False,
+        )
+        await wait_until(lambda: boot.links.neighbours() == [member.identity.peer_id], timeout=30)
+        joiner, _ = await start_node(
+            nursery,
+            network.host,
+            make_config(tmp_path, 2, bootstrap=(address,), neighbours=1, heartbeat_interval=interval),
+            key=joiner_key,
+            serve_api=False,
+        )
+        took = await wait_until(lambda: joiner.links.neighbours() == [member.identity.peer_id], timeout=30)
+        assert took <= interval / 2
+        assert joiner.metrics.counters["neighbour_refused_us"] == 1  # the bootstrap said busy
+        assert joiner.metrics.counters["neighbour_refills"] == 1
+        nursery.cancel_scope.cancel()
