@@ -6,7 +6,9 @@ the first choice for a while, so every dial does not pay the timeout again. The 
 failure in a row (``base`` up to ``cap``) and one success forgets the peer: a peer that opened its port
 (or moved) is back on TCP after at most ``cap`` seconds. The dialer keeps a second memo for peers whose
 only libp2p connection is relayed (no bulk bytes there), so it does not open and drop a stream to them
-on every pass of the neighbour loop. Pure bookkeeping: the caller passes the time.
+on every pass of the neighbour loop. The swarm's data plane keeps a third, with longer pauses, for peers
+whose frames failed a channel (prime_node/swarm/transport.py). Pure bookkeeping: the caller passes the
+time.
 """
 
 from __future__ import annotations

@@ -20,6 +20,12 @@ Once ``attach`` gave it the node's libp2p host, a dial whose TCP port does not r
 to a libp2p stream (prime_node/dataplane/dialer.py), and the plane serves that fallback protocol too:
 inbound fallback streams go through the same ``_accept`` as TCP connections (inbound limit, handshake,
 budget), and must prove the wallet address of the libp2p peer that opened them.
+
+A channel that fails on a frame its peer sent (a MAC that does not check, a malformed head, an oversized
+frame: ``FRAME_FAULTS``) proves nothing about who altered the bytes, so the peer is not banned; but it is
+not dialled or accepted again for a pause that doubles with each such failure (``faults``, from
+``FAULT_PAUSE`` up to ``FAULT_PAUSE_CAP``). A holder whose stored copy rotted, or a peer that sends
+garbage on purpose, then costs each neighbour a few frames an hour instead of one per reconnect.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from prime_node.dataplane.channel import (
 )
 from prime_node.dataplane.dialer import ChannelDialer, DialTarget
 from prime_node.dataplane.libp2p_stream import FallbackServer, P2PStream, RouteStats, fallback_protocol
+from prime_node.dataplane.route_memo import RouteMemo
 from prime_node.dataplane.streams import TCP, StreamTransport
 from prime_node.p2p.interface import P2PHost
 from prime_node.swarm.peer_traffic import PeerTraffic, Route
@@ -59,6 +66,10 @@ MAX_BATCH_FRAMES = 256
 MAX_BATCH_BYTES = 4 << 20
 """One channel write carries at most this much (several small frames, or one piece and what follows it):
 its deadline is that of a frame of the batch's length."""
+FRAME_FAULTS = frozenset({"bad_mac", "bad_frame_head", "frame_too_large"})
+"""Why a channel failed when the fault is in the frames its peer sent (see the module doc)."""
+FAULT_PAUSE = 30.0
+FAULT_PAUSE_CAP = 3600.0
 
 
 @dataclass
@@ -107,6 +118,8 @@ class DataPlane:
         self.deadlines = deadlines
         self.links: dict[Address, Link] = {}
         self.banned: set[Address] = set()
+        self.faults = RouteMemo(base=FAULT_PAUSE, cap=FAULT_PAUSE_CAP)
+        """Peers whose frames failed a channel, and until when they are neither dialled nor accepted."""
         self.dialing: set[Address] = set()
         self.inbound = 0
         self.refused = 0
@@ -152,6 +165,8 @@ class DataPlane:
         ``host:port`` over TCP, else (``host`` None, or it does not answer) over a libp2p stream to
         ``peer_id`` if one is given and a host is attached."""
         if self._nursery is None or peer in self.links or peer in self.dialing or peer in self.banned:
+            return
+        if not self.faults.may_try(peer, trio.current_time()):
             return
         target = DialTarget(peer, host, port, peer_id)
         if not self.dialer.may_open(target):
@@ -264,15 +279,27 @@ class DataPlane:
                                 break
                     except ChannelError as exc:
                         log.info("data plane: channel to %s failed: %s", peer, exc)
+                        if exc.reason in FRAME_FAULTS:
+                            self._pause_faulty(peer, exc.reason)
                     nursery.cancel_scope.cancel()
             self._drop(link)
         finally:
             with trio.CancelScope(shield=True):
                 await channel.aclose()
 
+    def _pause_faulty(self, peer: Address, reason: str) -> None:
+        until = self.faults.failed(peer, trio.current_time())
+        log.warning(
+            "data plane: %s sent a frame that failed (%s): no channel with it for %.0f s",
+            peer, reason, until - trio.current_time(),
+        )  # fmt: skip
+
     def _adopt(self, channel: AuthenticatedChannel, dialer: Address) -> Link | None:
         peer = channel.remote
         if peer in self.banned or peer == self.key.address:
+            return None
+        if not self.faults.may_try(peer, trio.current_time()):
+            log.debug("data plane: refusing a channel from %s (its frames failed recently)", peer)
             return None
         preferred = min(self.key.address.raw, peer.raw)
         fallback = isinstance(channel.stream, P2PStream)

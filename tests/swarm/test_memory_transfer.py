@@ -20,7 +20,7 @@ from crypto.keys import Address, WalletKey
 from prime_node.swarm.checkpoint import SharedCheckpoint, build_checkpoint
 from prime_node.swarm.piece_store import PieceStore
 from prime_node.swarm.transfer import CheckpointTransfer, OriginDirectory, PieceSource
-from prime_node.swarm.transport import DataPlane
+from prime_node.swarm.transport import FAULT_PAUSE, DataPlane
 from prime_node.testing.memory_streams import MemoryStreamNetwork
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from protocol.codec import decode_any
@@ -227,7 +227,8 @@ async def test_a_holder_whose_stored_pieces_went_bad_loses_its_channels_and_the_
     """A sender MACs a piece with the manifest's hash instead of hashing it. If its copy went bad on disk,
     the receiver's own digest of the bytes differs, so the frame fails its MAC and the channel closes
     (bad_mac) before the piece is looked at: the download goes on from the others and stays identical.
-    Nothing proves who changed the bytes (the sender or the path), so nobody is banned for it."""
+    Nothing proves who changed the bytes (the sender or the path), so nobody is banned for it; but the
+    sender gets no channel with the receiver, either way, until its pause (``FAULT_PAUSE``) is over."""
     flip_piece_bytes = functools.partial(_flip_piece_bytes, claim_manifest_hash=True)
     network = MemoryStreamNetwork()
     store = PieceStore.open(tmp_path / "fetcher", shared.manifest)
@@ -246,6 +247,16 @@ async def test_a_holder_whose_stored_pieces_went_bad_loses_its_channels_and_the_
         assert rotten.transfer.bytes_out > 0  # it did send pieces
         assert "(bad_mac)" in caplog.text  # refused by the channel, not stored
         assert not fetcher.transfer.node.banned
+        assert not fetcher.plane.faults.may_try(rotten.address, trio.current_time())
+        fetcher.dial(rotten)
+        assert rotten.address not in fetcher.plane.dialing  # paused: not dialled
+        rotten.dial(fetcher)
+        await trio.sleep(TICK)
+        assert rotten.address not in fetcher.plane.links and fetcher.address not in rotten.plane.links
+        await trio.sleep(FAULT_PAUSE)
+        fetcher.dial(rotten)  # the pause is over
+        await trio.sleep(TICK)
+        assert rotten.address in fetcher.plane.links
         nursery.cancel_scope.cancel()
     assert_identical(store, tmp_path / "out", shared)
 
