@@ -9,9 +9,8 @@ simulator plays the part ``prime_node/node/neighbour_links.py`` plays in product
   with ``room_for`` (else a bye) or ``refused`` (busy: the refusal carries a sample of peers). A node
   refused that still wants links asks again ``REFILL_PAUSE`` of an interval later, within the same
   round (``NeighbourLinks.refill_loop``). A joiner knows a bootstrap sample of peers until its first
-  link hands it the whole table. To keep ``choose``
-  cheap, a node that knows the whole swarm offers it a fresh random sample of ``candidates`` of them,
-  which leaves the choice uniformly random.
+  link hands it the whole table. To keep ``choose`` cheap, a node that knows the whole swarm offers it
+  a fresh random sample of ``candidates`` of them, which leaves the choice uniformly random.
 - **Records** move event by event (heapq): a record of a peer a node never heard of is passed on after
   ``URGENT_DELAY`` (the batching pause) plus the link latency; any other new record rides each link's
   next beat (a uniform phase per link direction in the beat interval). Every hop goes through the books'
