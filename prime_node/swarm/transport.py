@@ -288,11 +288,14 @@ class DataPlane:
                 await channel.aclose()
 
     def _pause_faulty(self, peer: Address, reason: str) -> None:
-        until = self.faults.failed(peer, trio.current_time())
+        now = trio.current_time()
+        until = self.faults.failed(peer, now)
         log.warning(
             "data plane: %s sent a frame that failed (%s): no channel with it for %.0f s",
-            peer, reason, until - trio.current_time(),
-        )  # fmt: skip
+            peer,
+            reason,
+            until - now,
+        )
 
     def _adopt(self, channel: AuthenticatedChannel, dialer: Address) -> Link | None:
         peer = channel.remote

@@ -13,6 +13,7 @@ import trio
 from crypto.identity import peer_id_from_public_key
 from crypto.keys import WalletKey
 from prime_node.node.neighbour_links import ANSWER_TIMEOUT, NEIGHBOUR_PROTOCOL
+from prime_node.node.service import Node
 from prime_node.p2p.interface import FramedStream
 from prime_node.testing.memory_network import MemoryHost, MemoryNetwork
 from protocol.membership import PeerState
@@ -344,21 +345,17 @@ async def test_a_joiner_refused_by_a_full_bootstrap_asks_the_peers_it_sampled_be
             nursery, network.host, make_config(tmp_path, 0, **one_slot), serve_api=False
         )
         address = boot.host.listen_multiaddrs()[0]
-        member, _ = await start_node(
-            nursery,
-            network.host,
-            make_config(tmp_path, 1, bootstrap=(address,), neighbours=1, heartbeat_interval=interval),
-            key=member_key,
-            serve_api=False,
-        )
+
+        async def join(index: int, key: WalletKey) -> Node:
+            config = make_config(
+                tmp_path, index, bootstrap=(address,), neighbours=1, heartbeat_interval=interval
+            )
+            node, _ = await start_node(nursery, network.host, config, key=key, serve_api=False)
+            return node
+
+        member = await join(1, member_key)
         await wait_until(lambda: boot.links.neighbours() == [member.identity.peer_id], timeout=30)
-        joiner, _ = await start_node(
-            nursery,
-            network.host,
-            make_config(tmp_path, 2, bootstrap=(address,), neighbours=1, heartbeat_interval=interval),
-            key=joiner_key,
-            serve_api=False,
-        )
+        joiner = await join(2, joiner_key)
         took = await wait_until(lambda: joiner.links.neighbours() == [member.identity.peer_id], timeout=30)
         assert took <= interval / 2
         assert joiner.metrics.counters["neighbour_refused_us"] == 1  # the bootstrap said busy
