@@ -15,14 +15,18 @@ install-dev:
 demo: install
 	$(BIN)/prime-node demo
 
+# pytest-xdist workers: one per logical CPU, at most 4, an idle one taking tests queued for another
+# (worksteal). The 30 slowest tests are listed at the end: the suite's profile (docs/testing.md).
+PARALLEL := -n logical --maxprocesses 4 --dist worksteal
+
 # Everything CI checks: the full test suite (slow tests included), then ruff and mypy.
 test: install-dev
-	$(BIN)/pytest -m "slow or not slow"
+	$(BIN)/pytest -m "slow or not slow" $(PARALLEL) --durations=30
 	$(MAKE) lint
 
 # The quick default suite (slow tests excluded), for the edit-test loop.
 test-fast:
-	$(BIN)/pytest
+	$(BIN)/pytest $(PARALLEL)
 
 lint:
 	$(BIN)/ruff check .

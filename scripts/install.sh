@@ -29,4 +29,15 @@ fi
 
 echo "installing prime-node${extras:+[$extras]} ..."
 "${pip[@]}" -e ".${extras:+[$extras]}"
+# The test tools: the NAT tests (tests/p2p/test_nat_netns.py) put peers behind iptables MASQUERADE in
+# network namespaces. As root with apt, install iptables for them; otherwise those tests skip.
+if [ "$extras" = dev ] && ! command -v iptables >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing iptables (for the NAT tests) ..."
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables >/dev/null) \
+            || echo "install: iptables could not be installed; the NAT netns tests will skip"
+    else
+        echo "install: no iptables (it needs root and apt-get); the NAT netns tests will skip"
+    fi
+fi
 echo "install: done in ${SECONDS}s"

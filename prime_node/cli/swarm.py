@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -12,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from prime_node.node.service import Node
     from prime_node.node_config import NodeConfig
     from prime_node.swarm.service import SwarmService
+
+log = logging.getLogger(__name__)
 
 STORE_SUBDIR = "swarm"
 SWARM_SEED_LIMIT = 300.0
@@ -327,30 +330,45 @@ def _duration(value: str, text: str) -> float:
     return seconds
 
 
-async def seed_version(swarm: SwarmService, mid: bytes, origin: Address, policy: SeedPolicy) -> None:
-    """Keep the node (and so the upload of ``mid``) running as ``policy`` says, then return."""
+SeedEnd = Literal["done", "duration", "peers_hold_it", "peers_stopped_asking", "limit", "version_gone"]
+"""Why ``seed_version`` returned: the policy said so at once (``done``) or after its time (``duration``);
+every peer that lacked pieces now holds them; the ones still lacking have not asked for SEED_IDLE s; the
+"swarm" policy's time limit; the version was dropped from the store."""
+
+
+async def seed_version(swarm: SwarmService, mid: bytes, origin: Address, policy: SeedPolicy) -> SeedEnd:
+    """Keep the node (and so the upload of ``mid``) running as ``policy`` says, then say (and log) why it
+    stopped."""
+    ended = await _seed(swarm, mid, origin, policy)
+    log.info("stopped seeding %s: %s", mid.hex(), ended)
+    return ended
+
+
+async def _seed(swarm: SwarmService, mid: bytes, origin: Address, policy: SeedPolicy) -> SeedEnd:
     import trio
 
     if policy.mode == "done":
-        return
+        return "done"
     if policy.mode == "never":
         await trio.sleep_forever()
     if policy.mode == "duration":
         await trio.sleep(policy.seconds)
-        return
+        return "duration"
     written = swarm.clock.now()
     with trio.move_on_after(policy.seconds):
         while True:
             version = swarm.versions.get(mid)
             if version is None:
-                return
+                return "version_gone"
             now = swarm.clock.now()
             # Wait for every peer that lacks pieces, but once we have served SEED_IDLE s, only for those
             # still asking us (a peer that lacks pieces and never requests them does not hold us).
-            since = None if now - written < SEED_IDLE else now - SEED_IDLE
+            idle_rule = now - written >= SEED_IDLE
+            since = now - SEED_IDLE if idle_rule else None
             if not [peer for peer in version.transfer.node.peers_wanting(since) if peer != origin]:
-                return
+                return "peers_stopped_asking" if idle_rule else "peers_hold_it"
             await trio.sleep(SEED_POLL)
+    return "limit"
 
 
 async def _note_first_piece(swarm: SwarmService, mid: bytes, phases: dict[str, float]) -> None:

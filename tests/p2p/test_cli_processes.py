@@ -67,20 +67,19 @@ def _status(data_dir: Path) -> dict[str, object]:
 
 
 # The node's own watchdog (prime_node/node/runner.py) ends it with status 1 SHUTDOWN_DEADLINE s after the
-# signal; a clean exit 0 therefore already proves the graceful shutdown beat it. What the clock sees from
-# here also holds signal delivery and interpreter teardown, which a loaded machine stretches: that margin
-# is added instead of racing the watchdog's own 5 s.
+# signal; a clean exit 0 therefore already proves the graceful shutdown beat it, and the test times nothing
+# itself. Its wait for the exit also holds signal delivery and interpreter teardown, which a loaded machine
+# stretches: that margin is added instead of racing the watchdog's own 5 s.
 EXIT_MARGIN = 5.0
 EXIT_LIMIT = SHUTDOWN_DEADLINE + EXIT_MARGIN
 WATCHDOG_MESSAGE = "shutdown took longer than"
 
 
-def _terminate(process: subprocess.Popen[str]) -> float:
-    """SIGTERM ``process`` and wait for it to exit; the seconds that took."""
-    started = time.monotonic()
+def _terminate(process: subprocess.Popen[str]) -> None:
+    """SIGTERM ``process`` and wait for it to exit (the wait only guards against a hang: exit 0 is what
+    proves the graceful shutdown beat the node's own watchdog)."""
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=EXIT_LIMIT + 10)
-    return time.monotonic() - started
 
 
 def test_join_processes_form_a_swarm_status_shows_it_and_sigterm_stops_cleanly(tmp_path: Path) -> None:
@@ -98,7 +97,7 @@ def test_join_processes_form_a_swarm_status_shows_it_and_sigterm_stops_cleanly(t
             _wait_for_node_file(tmp_path / n, p) for n, p in zip("bc", processes[1:], strict=True)
         ]
         addresses = {str(f["address"]) for f in files}
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + 120  # a guard against a hang, not a bound on formation
         while True:
             snapshots = [_status(tmp_path / n) for n in "abc"]
             views = [{p["address"] for p in s["peers"] if p["state"] == "healthy"} for s in snapshots]  # type: ignore[attr-defined]
@@ -111,12 +110,11 @@ def test_join_processes_form_a_swarm_status_shows_it_and_sigterm_stops_cleanly(t
             for peer in snapshot["peers"]:  # type: ignore[attr-defined]
                 assert {"address", "peer_id", "state"} <= peer.keys()
         for process in processes:
-            seconds = _terminate(process)
+            _terminate(process)
             stdout, stderr = process.communicate()
             assert process.returncode == 0, stderr
             assert WATCHDOG_MESSAGE not in stderr and "Traceback" not in stderr
             assert "received SIGTERM, shutting down" in stdout + stderr
-            assert seconds < EXIT_LIMIT, f"exit took {seconds:.1f} s"
         for name in "abc":
             assert json.loads((tmp_path / name / "node.json").read_text())["state"] == "stopped"
     finally:

@@ -32,12 +32,13 @@ async def test_eight_nodes_find_all_others_from_one_bootstrap_and_mark_a_killed_
         await wait_until(lambda: all(len(n.links.neighbours()) == len(nodes) - 1 for n in nodes), timeout=30)
         victim = nodes[5]
         scopes[4].cancel()
+        # Every other node marks it dead; how soon (dead window + beats) is asserted in virtual time by
+        # tests/p2p/test_node_memory.py, since a loaded machine stretches real beats.
         config = first.config
-        took = await wait_until(
+        await wait_until(
             lambda: all(
                 victim.identity.peer_id in n.peers_in(PeerState.DEAD) for n in nodes if n is not victim
             ),
-            timeout=40,
+            timeout=10 * (config.dead_window + 3 * config.heartbeat_interval),
         )
-        assert took <= config.dead_window + 3 * config.heartbeat_interval
         nursery.cancel_scope.cancel()

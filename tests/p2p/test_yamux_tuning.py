@@ -30,10 +30,21 @@ def test_the_switch_is_set_unless_the_user_set_it() -> None:
 
 
 async def test_small_and_window_sized_frames_flow_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, YamuxStream
+
     monkeypatch.delenv(RELEASE_ON_READ, raising=False)
     environ = dict(os.environ)
     tune_yamux(environ)
     monkeypatch.setenv(RELEASE_ON_READ, environ[RELEASE_ON_READ])
+    credits: list[int] = []  # every WINDOW_UPDATE increment either host sends, on any stream
+    send_window_update = YamuxStream.send_window_update
+
+    async def recorded(stream: YamuxStream, increment: int, skip_lock: bool = False) -> None:
+        if increment > 0:  # py-libp2p skips the frame otherwise
+            credits.append(increment)
+        await send_window_update(stream, increment, skip_lock)
+
+    monkeypatch.setattr(YamuxStream, "send_window_update", recorded)
     async with OPEN(WalletKey.generate()) as a, OPEN(WalletKey.generate()) as b:
 
         async def echo(stream: FramedStream) -> None:
@@ -54,17 +65,12 @@ async def test_small_and_window_sized_frames_flow_both_ways(monkeypatch: pytest.
                 assert await stream.receive_frame(4 << 20) == big
         raw: Any = stream.raw
         muxed = raw._stream.muxed_stream  # the yamux stream the switch governs
-        assert muxed._window_update_bytes_read_only == 0  # no credit returned just for a read
-        updates = (
-            muxed._window_update_bytes_read_only
-            + muxed._window_update_partial_slack
-            + muxed._window_update_full_grow
-            + muxed._window_update_pending_flush
-        )
-        # 600 × 1 KiB + 2 × 3 MiB read: credit goes back per half window (128 KiB, and more as the window
-        # auto-tunes), not per read (py-libp2p's own rule answered ~every other read: 306)
-        assert updates <= 20, updates  # 9 measured
-        assert muxed._window_update_partial_slack == 0
+        # Credit went back, and only by the half-window rule: never for a read alone (py-libp2p's own
+        # rule answered ~every other 1 KiB read), never as partial slack. Checked on what each update
+        # carries, which no interleaving of the two tasks changes (how many there were does).
+        assert muxed._window_update_full_grow > 0
+        assert muxed._window_update_bytes_read_only == 0 and muxed._window_update_partial_slack == 0
+        assert credits and min(credits) >= DEFAULT_WINDOW_SIZE // 2, sorted(credits)[:5]
         await stream.close()
 
 

@@ -10,28 +10,18 @@ import pytest
 import trio
 
 from crypto.keys import WalletKey
-from prime_node.testing.hoarder import HoardMode, hoard
+from prime_node.testing.hoarder import HoardMode
 from prime_node.testing.offer_flood import flood_offers
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from tests.p2p.helpers import wait_until
+from tests.swarm.hoarder_scenario import HOARDERS, hoarded_fetch
 from tests.swarm.network_helpers import Peer, start_peer
 
 log = logging.getLogger(__name__)
 
-HOARDERS = 6
-WEIGHTS = 12 << 20
-PIECE = 128 << 10
-
 
 def linked(a: Peer, b: Peer) -> bool:
     return b.node.key.address in a.swarm.dataplane.links
-
-
-async def timed_fetch(peer: Peer, mid: bytes, limit: float) -> tuple[float, Path]:
-    start = trio.current_time()
-    with trio.fail_after(limit):
-        path = await peer.swarm.fetch(mid)
-    return trio.current_time() - start, path
 
 
 @pytest.mark.slow
@@ -40,59 +30,20 @@ async def test_hoarders_that_never_re_serve_do_not_stall_an_honest_fetch(
     tmp_path: Path, mode: HoardMode
 ) -> None:
     """Issue 13 item 5: peers that sat on the pieces the super-seeding origin revealed to them (SIT), or
-    took them and never served them on (TAKE), kept an honest fetch from finishing until they left."""
-    trainer_key = WalletKey.generate()
-    alone_model = write_model_dir(tmp_path / "alone", weight_bytes=WEIGHTS, seed=1)
-    hoarded_model = write_model_dir(tmp_path / "hoarded", weight_bytes=WEIGHTS, seed=2)
-    async with trio.open_nursery() as nursery:
-        origin = await start_peer(nursery, tmp_path, 0, trainer=trainer_key.address, key=trainer_key)
-        boot = (origin.node.advertised_multiaddrs()[0],)
-        options = {"trainer": trainer_key.address, "bootstrap": boot, "follow": False}
-
-        # The same nodes, first idle: the fetch without hoarders gives the bound under the same load.
-        hoarders = [
-            await start_peer(nursery, tmp_path, 10 + i, upload=False, **options)  # type: ignore[arg-type]
-            for i in range(HOARDERS)
-        ]
-        alone = await start_peer(nursery, tmp_path, 1, **options)  # type: ignore[arg-type]
-        honest = await start_peer(nursery, tmp_path, 2, **options)  # type: ignore[arg-type]
-        await wait_until(lambda: all(linked(p, origin) for p in [alone, honest, *hoarders]), timeout=60)
-        warm_up = await origin.swarm.share(
-            write_model_dir(tmp_path / "warm", seed=3), step=0, piece_size=PIECE
-        )
-        await timed_fetch(alone, warm_up.id(), 60)  # the first fetch of a process pays start-up costs
-        manifest = await origin.swarm.share(alone_model, step=1, piece_size=PIECE)
-        baseline, path = await timed_fetch(alone, manifest.id(), 60)
-        assert read_tree(path) == read_tree(alone_model)
-
-        for peer in hoarders:
-            hoard(peer.swarm, mode)
-        manifest = await origin.swarm.share(hoarded_model, step=2, piece_size=PIECE)
-        for peer in hoarders:
-            nursery.start_soon(peer.swarm.fetch, manifest.id())
-        origin_node = origin.swarm.versions[manifest.id()].transfer.node
-        hoarder_keys = {p.node.key.address for p in hoarders}
-
-        # The hoarders hold their sessions and the origin's first reveals before the honest fetch starts.
-        def hoarding() -> bool:
-            sessions = [origin_node.peers.get(key) for key in hoarder_keys]
-            return all(s is not None and (s.revealed or s.sent) for s in sessions)
-
-        await wait_until(hoarding, timeout=30, step=0.01)
-        took, path = await timed_fetch(honest, manifest.id(), 60)
-        assert read_tree(path) == read_tree(hoarded_model)
-        log.warning("fetch alone %.2f s, with %d %s hoarders %.2f s", baseline, HOARDERS, mode.value, took)
-        # Generous: ~7 nodes share this process and a loaded machine (the goal is 1.2 x; see the docs).
-        assert took <= 2.0 * baseline + 3.0, (baseline, took)
-        if mode is HoardMode.SIT:  # pieces revealed and never asked for reach others only once opened
-            assert origin_node.open, "no piece was opened: the hoarders did not hoard"
-        else:
-            # Pieces taken and never passed on reach the honest peer once opened, or in the origin's
-            # second reveal pass (every piece served once): a fast first pass leaves nothing to open, as
-            # fresh-clone CI found once. That the takers took is what this run must show.
-            takers = [origin_node.peers.get(key) for key in hoarder_keys]
-            assert all(t is not None and t.sent for t in takers), "the hoarders took nothing"
-        nursery.cancel_scope.cancel()
+    took them and never served them on (TAKE), kept an honest fetch from finishing until they left. The
+    hoarders stay to the end here, so a fetch that completes at all got past them; how long it took
+    against the same fetch without hoarders is benchmarks/hoarders.py's figure, not a bound here."""
+    run = await hoarded_fetch(tmp_path, mode)
+    log.warning(
+        "fetch alone %.2f s, with %d %s hoarders %.2f s", run.alone_s, HOARDERS, mode.value, run.hoarded_s
+    )
+    assert run.alone_identical and run.hoarded_identical
+    assert run.hoarders_held_pieces, "the hoarders took nothing"
+    if mode is HoardMode.SIT:  # pieces revealed and never asked for reach others only once opened
+        assert run.pieces_opened > 0, "no piece was opened: the hoarders did not hoard"
+    # TAKE: pieces taken and never passed on reach the honest peer once opened, or in the origin's second
+    # reveal pass (every piece served once): a fast first pass leaves nothing to open, as fresh-clone CI
+    # found once. That the takers took is what this run must show.
 
 
 async def test_an_offer_flood_neither_breaks_fetches_nor_closes_honest_links(

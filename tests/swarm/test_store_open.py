@@ -4,7 +4,7 @@ running meanwhile, and callers that ask for the same version while it opens shar
 
 from __future__ import annotations
 
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,8 @@ from prime_node.swarm.piece_store import PieceStore
 from prime_node.swarm.service import SwarmService
 from prime_node.testing.swarm_fixtures import write_model_dir
 
-SLOW_OPEN_S = 0.5
+HANG_GUARD_S = 30.0
+"""How long the open waits for the loop to tick: a loop blocked by the open never would."""
 
 
 async def test_a_slow_store_open_leaves_the_event_loop_running_and_is_shared(
@@ -29,22 +30,24 @@ async def test_a_slow_store_open_leaves_the_event_loop_running_and_is_shared(
         key=WalletKey.generate(), run_id="test", trainer=trainer.address, store_dir=tmp_path / "store"
     )
     opened: list[PieceStore] = []
+    loop_ran = threading.Event()  # set by a trio task: only a loop that kept running can set it
     real_open = PieceStore.open
 
     def slow_open(root: Path, manifest: object) -> PieceStore:  # a disk that takes its time
-        time.sleep(SLOW_OPEN_S)
+        loop_ran.clear()  # a tick from before the open proves nothing
+        ran = loop_ran.wait(timeout=HANG_GUARD_S)  # held open until the event loop shows it still runs
         store = real_open(root, manifest)  # type: ignore[arg-type]
         opened.append(store)
+        if not ran:
+            raise AssertionError("the event loop did not run while the store was opening")
         return store
 
     monkeypatch.setattr(PieceStore, "open", slow_open)
-    ticks = 0
 
     async def tick() -> None:
-        nonlocal ticks
         while True:
             await trio.sleep(0.01)
-            ticks += 1
+            loop_ran.set()
 
     versions = []
     async with trio.open_nursery() as nursery:
@@ -57,7 +60,6 @@ async def test_a_slow_store_open_leaves_the_event_loop_running_and_is_shared(
             starting.start_soon(start)
             starting.start_soon(start)
         nursery.cancel_scope.cancel()
-    assert ticks >= 10, ticks  # ~50 at 10 ms while the open took 0.5 s; 0 if it blocked the loop
     assert len(opened) == 1 and versions[0] is versions[1] is swarm.versions[shared.manifest_id]
     assert versions[0].store is opened[0] and versions[0].store.piece_count_held == 0
     opened[0].close()

@@ -35,6 +35,7 @@ from prime_node.tasks.sandbox import (
     run_python,
     sandbox_interpreter,
 )
+from tests.tasks.processes import new_tag, processes_named
 
 UNPRIVILEGED = 65534
 FILL_MB = 15
@@ -85,20 +86,6 @@ for folder in ("/dev/shm", "/tmp"):
 }
 
 
-def _processes_named(tag: str) -> list[int]:
-    """Live (not zombie) processes whose name is ``tag``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                name, state = (entry / "stat").read_text().rsplit(")", 1)
-            except OSError:
-                continue
-            if name.split("(", 1)[1] == tag[:15] and state.split()[0] != "Z":
-                found.append(int(entry.name))
-    return found
-
-
 def attack(workdir: Path) -> dict[str, Any]:
     """Run every attack; return, per attack, whether it escaped and the evidence (also: did it start)."""
     home = workdir / "home"
@@ -110,7 +97,7 @@ def attack(workdir: Path) -> dict[str, Any]:
     secret.chmod(0o600)
     outside = workdir / "outside"
     outside.mkdir(exist_ok=True)
-    tag = f"pnsb{uuid.uuid4().hex[:11]}"
+    tag = new_tag()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
@@ -145,11 +132,11 @@ def attack(workdir: Path) -> dict[str, Any]:
             elif name == "marker":
                 entry["escaped"] = Path(values["marker"]).exists()
             elif name == "child":
-                alive_after_check = _processes_named(tag)
+                alive_after_check = processes_named(tag)
                 time.sleep(1.5)
                 entry["escaped"] = bool(alive_after_check) or Path(values["child_marker"]).exists()
                 entry["alive_after_check"] = alive_after_check
-                for pid in _processes_named(tag):
+                for pid in processes_named(tag):
                     os.kill(pid, 9)
             elif name == "fill":
                 left = [f"{d}/{tag}" for d in ("/dev/shm", "/tmp") if Path(f"{d}/{tag}").exists()]
