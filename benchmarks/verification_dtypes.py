@@ -21,6 +21,11 @@ the run's temperature (1.0) still makes honest completions random enough to exer
 Usage: .venv/bin/python benchmarks/verification_dtypes.py [--honest-batches 1000] [--attempts 5]
        [--bounds table|measure] [--pairs all|fast] [--inferers all|float32|bfloat16]
        [--max-validate-batches N]
+
+The ``generate`` and ``validate`` modes also take ``--device`` (``cuda``), ``--attn`` (the attention
+implementation, e.g. ``eager`` or ``sdpa``), ``--gen-batch N`` (generate the requests of many batches in
+engine calls of N samples, as a GPU inferer would), ``--shard K/N`` (validate every N-th honest record;
+attacks in shard 0) and ``--raw`` (every batch's distances in the line): benchmarks/gpu.py drives them.
 """
 
 from __future__ import annotations
@@ -98,22 +103,22 @@ FAST_PAIRS: dict[Side, list[Side]] = {
 # -- the model -------------------------------------------------------------------------------------------
 
 
-def small_model(seed: int) -> tuple[Any, Any]:
-    """The ``small`` Qwen3-shaped model (~16M parameters) and its tokenizer, float32, deterministic in
-    ``seed``."""
+def small_model(seed: int, size: str = "small") -> tuple[Any, Any]:
+    """The ``small`` Qwen3-shaped model (~16M parameters; ``tiny`` for a dry run) and its tokenizer,
+    float32, deterministic in ``seed``."""
     from prime_node.ml.architectures import create_model
 
-    model, tokenizer = create_model("qwen3", "small", seed)
+    model, tokenizer = create_model("qwen3", size, seed)
     return model, tokenizer
 
 
-def prepare(out: Path) -> dict[str, Any]:
+def prepare(out: Path, size: str = "small") -> dict[str, Any]:
     """Write the policy and the other-model cheater's model (another seed) as HF directories."""
     from prime_node.ml.model import save_model_dir
 
     params = 0
     for name, seed in (("policy", MODEL_SEED), ("other", OTHER_SEED)):
-        model, tokenizer = small_model(seed)
+        model, tokenizer = small_model(seed, size)
         params = sum(p.numel() for p in model.parameters())
         save_model_dir(model, tokenizer, out / name)
     return {"model_params": params}
@@ -135,11 +140,46 @@ def run_config() -> Any:
     )
 
 
-def load(model_dir: Path, dtype: str) -> Any:
+def load(model_dir: Path, dtype: str, device: str = "cpu", attn: str = "") -> Any:
     from prime_node.ml.engines import load_engine
     from prime_node.ml.tokenizer import load_tokenizer
 
-    return load_engine(model_dir, load_tokenizer(model_dir), dtype=dtype, policy_step=CURRENT_STEP)
+    engine = load_engine(
+        model_dir, load_tokenizer(model_dir), dtype=dtype, device=device, policy_step=CURRENT_STEP
+    )
+    if attn:
+        engine.model.set_attn_implementation(attn)
+    return engine
+
+
+class PrefetchedEngine:
+    """An engine answering ``generate`` from completions made ahead in large batches (``warm``), as a GPU
+    inferer batches many scheduled batches' requests; a request not made ahead goes to the engine."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.policy_step = engine.policy_step
+        self.model = engine.model
+        self._made: dict[tuple[tuple[int, ...], int], Any] = {}
+
+    def warm(self, requests: Sequence[tuple[list[int], int]], params: Any, batch: int) -> None:
+        for start in range(0, len(requests), batch):
+            chunk = requests[start : start + batch]
+            done = self.engine.generate([p for p, _ in chunk], [s for _, s in chunk], params)
+            for (prompt, seed), completion in zip(chunk, done, strict=True):
+                self._made[(tuple(prompt), seed)] = completion
+
+    def generate(self, prompts: Any, seeds: Any, params: Any) -> Any:
+        keys = [(tuple(p), s) for p, s in zip(prompts, seeds, strict=True)]
+        if params.return_hidden and all(k in self._made for k in keys):
+            return [self._made.pop(k) for k in keys]
+        return self.engine.generate(prompts, seeds, params)
+
+    def prefill(self, prompts: Any, completions: Any) -> Any:
+        return self.engine.prefill(prompts, completions)
+
+    def load_weights(self, state: Any, policy_step: int) -> None:
+        self.engine.load_weights(state, policy_step)
 
 
 # -- records: the frames one inferer published -------------------------------------------------------------
@@ -170,20 +210,24 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
+    from prime_node.ml.engine import SamplingParams
     from prime_node.ml.engines import setup_engine
+    from prime_node.ml.rollout_batch import scheduled_requests
     from prime_node.tasks.arithmetic import ArithmeticTask
     from prime_node.verification.cheating import ATTACKS, Scenario
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
-    engine = load(work / "policy", args.dtype)
+    engine = load(work / "policy", args.dtype, args.device, args.attn)
     tokenizer = load_tokenizer_of(work / "policy")
     perturbed = copy.deepcopy(engine.model)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for parameter in perturbed.parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
+            noise = torch.randn(parameter.shape, generator=generator).to(parameter.device)
             parameter.copy_((parameter.float() * (1 + 0.01 * noise)).to(parameter.dtype))
+    if args.gen_batch:
+        engine = PrefetchedEngine(engine)
     scenario = Scenario(
         config=run_config(),
         task=ArithmeticTask(2),
@@ -192,17 +236,32 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
         current_step=CURRENT_STEP,
         now_ms=NOW_MS,
         _cheat_engines={
-            "other_model": load(work / "other", args.dtype),
+            "other_model": load(work / "other", args.dtype, args.device, args.attn),
             "perturbed_weights": setup_engine(perturbed, tokenizer, dtype=args.dtype),
         },
     )
     started = time.perf_counter()
+    if args.gen_batch:
+        config = scenario.config
+        requests = []
+        for counter in range(args.first_counter, args.first_counter + args.honest_batches):
+            _, prompts, seeds = scheduled_requests(
+                scenario.task,
+                tokenizer,
+                config,
+                worker=scenario.key.address,
+                policy_step=CURRENT_STEP,
+                batch_counter=counter,
+            )
+            requests.extend(zip(prompts, seeds, strict=True))
+        params = SamplingParams(config.max_new_tokens, config.temperature, return_hidden=True)
+        engine.warm(requests, params, args.gen_batch)
     with Path(args.records).open("wb") as stream:
         for counter in range(args.first_counter, args.first_counter + args.honest_batches):
             frames = scenario.honest_frames(counter)
             write_record(stream, {"kind": "honest", "counter": counter}, frames)
         honest_s = time.perf_counter() - started
-        for attack in ATTACKS:
+        for attack in ATTACKS if args.attempts else ():
             for attempt in range(args.attempts):
                 counter = args.first_counter + 1_000_000 + attempt
                 frames = scenario.attack_frames(attack, counter=counter)
@@ -210,6 +269,9 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "run": "generate",
         "inferer": Side(args.dtype, args.kernels, args.threads).name,
+        "device": args.device,
+        "attn": args.attn or "default",
+        "gen_batch": args.gen_batch,
         "honest_batches": args.honest_batches,
         "attempts_per_attack": args.attempts,
         "s_per_honest_batch": round(honest_s / max(1, args.honest_batches), 4),
@@ -289,7 +351,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
-    engine = RecordingEngine(load(work / "policy", args.dtype))
+    engine = RecordingEngine(load(work / "policy", args.dtype, args.device, args.attn))
     inferer = Side(args.inferer_dtype, args.inferer_kernels, args.inferer_threads)
     bounds = args.bounds
     if bounds == "table":
@@ -328,10 +390,16 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     attempts: dict[str, int] = {}
     seen: dict[str, set[str]] = {}
     closest: dict[str, dict[str, float]] = {}
+    raw_honest: list[dict[str, float]] = []
+    raw_attacks: dict[str, list[dict[str, float]]] = {}
+    shard, shards = (int(x) for x in args.shard.split("/"))
+    records = (r for path in args.records.split(",") for r in read_records(Path(path)))
+    honest_seen = 0
     started = time.perf_counter()
-    for header, frames in read_records(Path(args.records)):
+    for header, frames in records:
         if header["kind"] == "honest":
-            if honest >= args.max_batches:
+            honest_seen += 1
+            if honest >= args.max_batches or (honest_seen - 1) % shards != shard:
                 continue
             honest += 1
             engine.last = []
@@ -340,8 +408,12 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
             for reason in result.reasons:
                 rejected[str(reason)] = rejected.get(str(reason), 0) + 1
             if engine.last and result.batch is not None:
-                for key, value in distances(result.batch, engine.last).items():
+                found = distances(result.batch, engine.last)
+                raw_honest.append(found)
+                for key, value in found.items():
                     worst.setdefault(key, []).append(value)
+            continue
+        if shard != 0:
             continue
         attack = header["attack"]
         validator = fresh()
@@ -358,7 +430,8 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         if engine.last and last.batch is not None:
             # Per statistic, the attempt nearest to passing (the smallest batch-worst value).
             found = distances(last.batch, engine.last)
-            previous = closest.setdefault(attack, found)
+            raw_attacks.setdefault(attack, []).append(found)
+            previous = closest.setdefault(attack, dict(found))
             for key, value in found.items():
                 previous[key] = min(previous[key], value)
     rate = honest_rejected / max(1, honest)
@@ -371,10 +444,14 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
             "p50": _round(float(np.quantile(array, 0.5))),
         }
 
+    raw = {"raw_honest": raw_honest, "raw_attacks": raw_attacks} if args.raw else {}
     return {
+        **raw,
         "run": "validate",
         "inferer": inferer.name,
         "validator": Side(args.dtype, args.kernels, args.threads).name,
+        "device": args.device,
+        "attn": args.attn or "default",
         "bounds": bounds,
         "bounds_used": _policy_json(policy)
         if bounds == "table"
@@ -386,7 +463,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         "honest_reject_reasons": rejected,
         "detected_by_attack": {a: round(caught[a] / attempts[a], 3) for a in attempts},
         "reasons_by_attack": {a: sorted(r) for a, r in seen.items()},
-        "honest": {k: summary(v) for k, v in worst.items() if k != "chunks"},
+        "honest": {k: summary(v) for k, v in worst.items() if k != "chunks"} if worst else {},
         "attacks_closest": {a: {k: _round(v) for k, v in d.items()} for a, d in closest.items()},
         "wall_s": round(time.perf_counter() - started, 1),
     }
@@ -458,6 +535,11 @@ def main() -> None:
     parser.add_argument("--inferer-kernels", default="native")
     parser.add_argument("--inferer-threads", type=int, default=1)
     parser.add_argument("--max-batches", type=int, default=1 << 30)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--attn", default="", help="attention implementation (eager, sdpa, ...)")
+    parser.add_argument("--gen-batch", type=int, default=0, help="generate ahead in batches of N samples")
+    parser.add_argument("--shard", default="0/1", help="validate honest records K, K+N, ... (K/N)")
+    parser.add_argument("--raw", action="store_true", help="every batch's distances in the line")
     args = parser.parse_args()
     if args.mode == "generate":
         print(json.dumps(generate(args)))

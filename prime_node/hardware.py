@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +36,15 @@ _QUERY = "index,name,memory.total,compute_cap"
 _INDEX = re.compile(r"[0-9]{1,4}")
 _CAPABILITY = re.compile(r"([0-9]{1,2})\.([0-9]{1,2})")
 
-__all__ = ["GpuInfo", "GpuSelection", "HardwareProfile", "parse_gpu_selection", "parse_nvidia_smi", "probe"]
+__all__ = [
+    "GpuInfo",
+    "GpuSelection",
+    "HardwareProfile",
+    "parse_gpu_selection",
+    "parse_nvidia_smi",
+    "probe",
+    "select_device",
+]
 
 
 @dataclass(frozen=True)
@@ -287,12 +295,81 @@ def probe(
     )
 
 
-def to_summary(profile: HardwareProfile) -> HardwareSummary:
-    """The heartbeat's short form; ``gpu_vram_mib`` is the total over the selected GPUs."""
+def to_summary(profile: HardwareProfile, device: str = "") -> HardwareSummary:
+    """The heartbeat's short form; ``gpu_vram_mib`` is the total over the selected GPUs, ``device`` where
+    the node's role computes (``select_device``; empty while it runs no model)."""
     cap = (1 << 31) - 1
     return HardwareSummary(
         cpu_cores=min(profile.cpu_cores, 1 << 16),
         ram_mib=min(profile.ram_mib, cap),
         gpu_count=min(profile.gpu_count, 1024),
         gpu_vram_mib=min(profile.total_vram_mib, cap),
+        device=device,
     )
+
+
+def cuda_device_count() -> int:
+    """CUDA devices torch can use now (0 without a CUDA build or driver). Imports torch: call it only
+    when a GPU was selected."""
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def _torch_ordinal(gpu: GpuInfo, source: str, visible: str | None) -> int | None:
+    """``gpu``'s index as torch numbers it (torch sees only ``CUDA_VISIBLE_DEVICES``, renumbered from 0);
+    None when that variable hides it."""
+    if source == "torch" or visible is None:
+        return gpu.index
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if not all(re.fullmatch(r"-?[0-9]{1,4}", entry) for entry in entries):
+        return gpu.index  # UUIDs or MIG names: keep the probe's numbering
+    for position, entry in enumerate(entries):
+        if int(entry) < 0:
+            break
+        if int(entry) == gpu.index:
+            return position
+    return None
+
+
+def select_device(
+    profile: HardwareProfile,
+    selection: GpuSelection,
+    *,
+    rank: int = 0,
+    env: Mapping[str, str] | None = None,
+    cuda_devices: Callable[[], int] | None = None,
+) -> str:
+    """The one device policy: the torch device (``cpu`` or ``cuda:N``) that the ``rank``-th user of the
+    ``--gpu`` selection computes on (an engine: rank 0; a torchrun trainer rank: its LOCAL_RANK).
+
+    ``--gpu none``, or auto on a machine without GPUs, is the CPU. A selected GPU that torch cannot use now
+    (``cuda_devices``, default ``cuda_device_count``; tests pass a fake) is a NodeError, never a silent
+    CPU run."""
+    if selection.mode == "none" or (selection.mode == "auto" and not profile.gpus):
+        return "cpu"
+    if rank >= len(profile.gpus):
+        raise NodeError(
+            f"trainer rank {rank} needs a GPU of its own but --gpu {selection} selects "
+            f"{len(profile.gpus)}: start at most {len(profile.gpus)} ranks (--nproc), or pass --gpu none",
+            reason="gpu_not_found",
+        )
+    gpu = profile.gpus[rank]
+    environ = os.environ if env is None else env
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    ordinal = _torch_ordinal(gpu, profile.gpu_source, visible)
+    if ordinal is None:
+        raise NodeError(
+            f"GPU {gpu.index} ({gpu.name}) is hidden by CUDA_VISIBLE_DEVICES={(visible or '')[:64]!r}: "
+            "unset it or select a visible GPU with --gpu",
+            reason="gpu_unavailable",
+        )
+    available = (cuda_devices or cuda_device_count)()
+    if ordinal >= available:
+        raise NodeError(
+            f"GPU {gpu.index} ({gpu.name}) was found via {profile.gpu_source} but torch can use "
+            f"{available} CUDA device(s) now (driver gone, or a CPU-only torch?): check nvidia-smi and "
+            "`prime-node doctor`, or pass --gpu none to run on the CPU",
+            reason="gpu_unavailable",
+        )
+    return f"cuda:{ordinal}"

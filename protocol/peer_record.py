@@ -28,6 +28,7 @@ MAX_MULTIADDRS = 8
 MAX_MULTIADDR_CHARS = 256
 MAX_VERSIONS_HELD = 16
 MAX_PEER_ID_CHARS = 128
+MAX_DEVICE_CHARS = 16
 _U31 = IntRange(0, (1 << 31) - 1)
 _U63 = IntRange(0, (1 << 63) - 1)
 
@@ -41,6 +42,8 @@ class HardwareSummary(Message):
     ram_mib: Annotated[int, _U31]
     gpu_count: Annotated[int, IntRange(0, 1024)]
     gpu_vram_mib: Annotated[int, _U31]
+    device: Annotated[str, MaxLen(MAX_DEVICE_CHARS)] = ""
+    """Where the node's role computes (``cpu``, ``cuda:1``); empty while it runs no model."""
 
 
 @message("p2p.peer_record", max_bytes=4096)

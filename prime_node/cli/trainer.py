@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, with_node_flags
 from prime_node.errors import NodeError
+
+if TYPE_CHECKING:
+    from prime_node.hardware import GpuSelection
 
 
 def register(app: typer.Typer) -> None:
@@ -36,6 +39,12 @@ def run_trainer(
         str | None,
         typer.Option("--dtype", help="Training compute dtype: bf16, fp32 or auto (overrides train_dtype)."),
     ] = None,
+    gpu: Annotated[
+        str,
+        typer.Option(
+            "--gpu", help="GPUs to train on: auto, none (CPU), or indices such as 0,1 (one per --nproc rank)."
+        ),
+    ] = "auto",
     node: NodeFlags = DEFAULT_FLAGS,
     exit_when_done: Annotated[
         bool,
@@ -49,7 +58,9 @@ def run_trainer(
     trusted validators accepted. Networking flags are those of `join`. With --nproc N either way runs
     under torchrun; networked, rank 0 is the node and the other ranks only train."""
     from prime_node.config import load_run_config
+    from prime_node.hardware import parse_gpu_selection
 
+    gpus = parse_gpu_selection(gpu)
     overrides: dict[str, object] = {}
     if model is not None:
         overrides["model_dir"] = str(model)
@@ -61,7 +72,7 @@ def run_trainer(
         overrides["train_dtype"] = _train_dtype(dtype)
     run = load_run_config(config, overrides=overrides)  # fail fast, before spawning anything
     if not local:
-        _networked(run, node, exit_when_done=exit_when_done, nproc=nproc)
+        _networked(run, node, exit_when_done=exit_when_done, nproc=nproc, gpus=gpus)
         return
     args = ["--config", str(config)] + [
         arg for key, value in overrides.items() for arg in (f"--{key.replace('_', '-')}", str(value))
@@ -69,12 +80,14 @@ def run_trainer(
     if nproc > 1:
         from prime_node.roles.trainer_ranks import run_torchrun
 
-        run_torchrun("prime_node.ml.dist_entry", args, nproc)
+        run_torchrun("prime_node.ml.dist_entry", [*args, "--gpu", str(gpus)], nproc)
         return
+    from prime_node.ml.distributed import init_from_env
     from prime_node.ml.local_run import run_local
 
     result = run_local(
         run,
+        dist=init_from_env(gpus),
         on_step=lambda m: typer.echo(
             json.dumps(
                 {
@@ -103,10 +116,11 @@ def _train_dtype(name: str) -> str:
     return _DTYPE_NAMES[name]
 
 
-def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int) -> None:
+def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int, gpus: GpuSelection) -> None:
     """The networked trainer node (prime_node/roles/trainer_node.py); with ``nproc`` > 1 its rank 0,
     under torchrun (prime_node/roles/trainer_ranks.py). Everything that can fail is checked first."""
     from prime_node.cli.network_options import dataplane_host_for
+    from prime_node.ml.distributed import init_from_env
     from prime_node.roles.trainer_node import build_trainer_node, run_trainer_node, step_line
 
     node_config = flags.config(run.run_id)
@@ -128,6 +142,7 @@ def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int) 
         dataplane_host=dataplane_host,
         dataplane_port=flags.dataplane_port,
         on_step=lambda metrics: typer.echo(step_line(metrics)),
+        dist=None if nproc > 1 else init_from_env(gpus),  # one process: just its device
     )
     if nproc > 1:
         from prime_node.roles.trainer_ranks import LaunchSpec, launch_networked
@@ -136,6 +151,6 @@ def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int) 
         if not checked.model_dir.is_dir():
             raise NodeError(f"model directory {checked.model_dir} does not exist", reason="bad_model_dir")
         spec = LaunchSpec(checked, node_config, dataplane_host, flags.dataplane_port, exit_when_done)
-        launch_networked(spec, key, nproc)
+        launch_networked(spec, key, nproc, str(gpus))
         return
     run_trainer_node(node_config, parts, key, echo=typer.echo, exit_when_done=exit_when_done)

@@ -158,6 +158,13 @@ class RunConfig(_Strict):
     (docs/verification.md, *Across dtypes and machines*); others are refused when the config loads."""
     validator_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype validators recompute in (their prefill): see ``inference_dtype``."""
+    inferer_devices: tuple[Literal["cpu", "cuda"], ...] = Field(("cpu",), min_length=1)
+    """Device kinds inferers may generate on (``--gpu`` picks a node's device; a node whose device is not
+    listed refuses the role). Every inferer device × validator device must be a calibrated pair in the
+    run's dtypes, e.g. ``inference_dtype = "bfloat16"``, ``inferer_devices = ["cpu", "cuda"]`` with float32
+    validators on the CPU (docs/gpu.md)."""
+    validator_devices: tuple[Literal["cpu", "cuda"], ...] = Field(("cpu",), min_length=1)
+    """Device kinds validators may recompute on: see ``inferer_devices``."""
     seed: int = Field(0, ge=0, lt=1 << 63)
     """Run seed: input of the task schedule and of every sample seed."""
     torch_seed: int = Field(0, ge=0, lt=1 << 63)
@@ -217,15 +224,22 @@ class RunConfig(_Strict):
     def _calibrated_engines(self) -> RunConfig:
         from crypto.toploc import CALIBRATED_THRESHOLDS
 
-        pair = ((self.engine, self.inference_dtype), (self.engine, self.validator_dtype))
-        if pair not in CALIBRATED_THRESHOLDS:
-            pairs = sorted(CALIBRATED_THRESHOLDS)
-            calibrated = ", ".join(f"{i[1]} → {v[1]}" for i, v in pairs if i[0] == self.engine)
-            raise ValueError(
-                f"{self.engine} inferers in {self.inference_dtype} checked by validators in "
-                f"{self.validator_dtype} is not a calibrated pair (inference_dtype → validator_dtype: "
-                f"{calibrated}); see docs/verification.md"
-            )
+        for inferer_device in self.inferer_devices:
+            for validator_device in self.validator_devices:
+                inferer = (self.engine, self.inference_dtype, inferer_device)
+                validator = (self.engine, self.validator_dtype, validator_device)
+                if (inferer, validator) in CALIBRATED_THRESHOLDS:
+                    continue
+                pairs = sorted(CALIBRATED_THRESHOLDS)
+                calibrated = ", ".join(
+                    f"{i[1]} on {i[2]} → {v[1]} on {v[2]}" for i, v in pairs if i[0] == self.engine
+                )
+                raise ValueError(
+                    f"{self.engine} inferers in {self.inference_dtype} on {inferer_device} checked by "
+                    f"validators in {self.validator_dtype} on {validator_device} is not a calibrated pair "
+                    f"(inference_dtype on inferer_devices → validator_dtype on validator_devices: "
+                    f"{calibrated}); see docs/verification.md and docs/gpu.md"
+                )
         return self
 
     @model_validator(mode="after")

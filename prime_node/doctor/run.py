@@ -1,5 +1,5 @@
-"""Gather the facts and run every check, in the order a person reads them: software, machine, role, then
-the network (which needs ``--bootstrap``)."""
+"""Gather the facts and run every check, in the order a person reads them: software, machine, role and
+its device (with the VRAM plan), then the network (which needs ``--bootstrap``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 
 import trio
 
+from prime_node.config.run import RunConfig, load_run_config
+from prime_node.doctor.device import check_device
 from prime_node.doctor.machine import check_disk, check_gpu, check_ram
 from prime_node.doctor.model_size import ModelEstimate, default_estimate, estimate
 from prime_node.doctor.network import (
@@ -53,10 +55,23 @@ def _model(options: DoctorOptions) -> tuple[ModelEstimate, Check]:
     return model, Check("model", PASS, model.source, None, details)
 
 
+def _run_and_model_dir(options: DoctorOptions) -> tuple[RunConfig, Path | None]:
+    """The run config (defaults without --run-config, or when it does not load: ``model`` reports that)
+    and the model directory, for the device check's VRAM plan."""
+    run = RunConfig.model_validate({})
+    if options.run_config is not None:
+        try:
+            run = load_run_config(options.run_config)
+        except NodeError:
+            return run, options.model_dir
+    return run, options.model_dir or (run.model_dir if options.run_config is not None else None)
+
+
 def run_doctor(options: DoctorOptions) -> Report:
     """Every check; NodeError only for a malformed ``--gpu`` (a usage error, not a finding)."""
     started = time.monotonic()
-    profile = probe(parse_gpu_selection(options.gpus), options.data_dir)
+    selection = parse_gpu_selection(options.gpus)
+    profile = probe(selection, options.data_dir)
     software = gather_software(profile.gpu_count)
     model, model_check = _model(options)
     network = trio.run(
@@ -72,6 +87,7 @@ def run_doctor(options: DoctorOptions) -> Report:
         model_check,
         check_disk(profile, model, str(options.data_dir)),
         check_role(profile, model, options.role),
+        check_device(profile, selection, *_run_and_model_dir(options)),
         check_bootstrap(network),
         check_reachability(network),
         check_clock(network),

@@ -19,9 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir")
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--train-dtype")
+    parser.add_argument("--gpu", default="auto", help="run-trainer --gpu: auto, none or indices (0,1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from prime_node.config import load_run_config
+    from prime_node.hardware import parse_gpu_selection
     from prime_node.ml.distributed import init_from_env, shutdown
     from prime_node.ml.local_run import run_local
 
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         config = load_run_config(args.config, overrides=overrides)
-        dist = init_from_env()
+        dist = init_from_env(parse_gpu_selection(args.gpu))
         try:
             result = run_local(config, dist=dist)
         except BaseException:

@@ -1,6 +1,8 @@
 """torch.distributed for the trainer: process-group setup under torchrun (or a 1-rank group in-process),
 and the few collectives the training session uses besides FSDP2's own (``fsdp.py``): rank 0's step
-broadcast and summed metrics. gloo on CPU, NCCL on CUDA.
+broadcast and summed metrics. gloo on CPU, NCCL on CUDA. Each rank's device comes from the one device
+policy (``prime_node.hardware.select_device``): rank LOCAL_RANK takes the LOCAL_RANK-th GPU that ``--gpu``
+selects; ``--gpu none`` trains on the CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from prime_node.errors import NodeError
+from prime_node.hardware import GpuSelection
 
 
 @dataclass(frozen=True)
@@ -55,21 +58,23 @@ class DistInfo:
         dist.barrier()
 
 
-def init_from_env() -> DistInfo:
-    """Join the process group torchrun describes in the environment; a single process needs none."""
+def init_from_env(gpus: GpuSelection | None = None) -> DistInfo:
+    """This process's device (``select_device`` for rank LOCAL_RANK of ``gpus``, default auto) and the
+    process group torchrun describes in the environment; a single process needs none."""
+    from prime_node.hardware import probe, select_device
+
+    selection = gpus or GpuSelection("auto")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = select_device(probe(selection), selection, rank=local)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return DistInfo()
+        return DistInfo(device=device)
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
-    device = "cpu"
-    if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
 
 

@@ -134,7 +134,11 @@ class TorchEngine:
         ids, mask = self._left_pad(prompts)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = [Completion([], [], False, None) for _ in prompts]
-        hidden_rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+        # Hidden states stay on the device, one [live rows, hidden] block per step, and cross to the host
+        # once at the end: on a GPU a copy per row and token would stall every step.
+        hidden_steps: list[torch.Tensor] = []
+        hidden_rows: list[list[int]] = [[] for _ in prompts]  # per prompt: its rows in those blocks
+        block_start = 0
         active = list(range(len(prompts)))  # row of the live batch -> prompt index
         cache = None
         with torch.inference_mode():
@@ -152,32 +156,38 @@ class TorchEngine:
                 chosen = choose_tokens(
                     logits, [seeds[i] for i in active], [t] * len(active), params.temperature
                 )
-                chosen_list = chosen.tolist()
-                logps = token_logprobs(logits, chosen, params.temperature).tolist()
+                logps = token_logprobs(logits, chosen, params.temperature)
+                # The one host synchronisation of a step: the chosen ids (for the stop check) and their
+                # log-probs in one copy (ids below 2^53 are exact in float64).
+                chosen_list, logps_list = torch.stack([chosen.double(), logps.double()]).tolist()
+                if params.return_hidden:
+                    hidden_steps.append(hidden.float())
                 keep: list[int] = []
                 for row, index in enumerate(active):
-                    token = chosen_list[row]
+                    token = int(chosen_list[row])
                     out[index].tokens.append(token)
-                    out[index].logprobs.append(logps[row])
-                    if params.return_hidden:
-                        hidden_rows[index].append(hidden[row].float().cpu())
+                    out[index].logprobs.append(logps_list[row])
+                    hidden_rows[index].append(block_start + row)
                     if token == self.eos_token_id:
                         out[index].finished = True
                     else:
                         keep.append(row)
+                block_start += len(active)
                 if not keep or t + 1 == params.max_new_tokens:
                     break
                 if len(keep) < len(active):
                     select = torch.as_tensor(keep, device=ids.device)
                     cache.batch_select_indices(select)
-                    mask, positions, chosen = mask[select], positions[select], chosen[keep]
+                    mask, positions = mask[select], positions[select]
+                    chosen = chosen[select.to(chosen.device)]
                     active = [active[row] for row in keep]
                 ids = chosen.view(-1, 1).to(ids.device)
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 positions = positions[:, -1:] + 1
         if params.return_hidden:
+            every = torch.cat(hidden_steps).cpu()
             for index, rows in enumerate(hidden_rows):
-                out[index].hidden = torch.stack(rows)
+                out[index].hidden = every[torch.as_tensor(rows, dtype=torch.long)]
         return out
 
     def prefill(

@@ -2,10 +2,16 @@
 
 Every role builds its engine through ``setup_engine`` (a model already in memory) or ``load_engine`` (a
 model directory), naming the family of the run config's ``engine`` field and the dtype of its role
-(``inference_dtype`` for inferers, ``validator_dtype`` for validators). Adding a backend (vLLM on a
-GPU) means one entry in ``_BACKENDS`` and, for validators, calibrated entries for the pairs it takes
-part in: TOPLOC bounds in ``crypto.toploc.CALIBRATED_THRESHOLDS`` and sampling tolerances in
-``SAMPLING_TOLERANCES`` below, both keyed by (inferer (family, dtype), validator (family, dtype)).
+(``inference_dtype`` for inferers, ``validator_dtype`` for validators) on the device ``--gpu`` chose
+(``hardware.select_device``). Adding a backend (vLLM on a GPU) means one entry in ``_BACKENDS`` and, for
+validators, calibrated entries for the pairs it takes part in: TOPLOC bounds in
+``crypto.toploc.CALIBRATED_THRESHOLDS`` and sampling tolerances in ``SAMPLING_TOLERANCES`` below, both
+keyed by (inferer (family, dtype, device kind), validator (family, dtype, device kind)).
+
+A run config names the device kinds its inferers and validators may compute on (``inferer_devices``,
+``validator_devices``; the CPU alone by default); every combination must be a calibrated pair, and a node
+whose device is not admitted refuses the role with the fix (``admit_device``). A batch does not say
+which device made it, so a validator checks with the loosest bounds of the inferer devices the run admits.
 
 A validator never shares the inferer's exact kernels, so every bound is measured across kernel sets and
 thread counts (``benchmarks/verification_dtypes.py``, docs/verification.md *Across dtypes and
@@ -50,16 +56,35 @@ class SamplingTolerances:
 # A bfloat16 inferer checked in float32: honest log-prob error ≤ 0.021 and replay margin ≤ 0.017 (1,000
 # batches, native and scalar kernels); the bounds are ~2.4× and ~6× that. Perturbed weights (log-prob
 # error ≥ 0.047) are caught by TOPLOC's mantissa bounds first; a changed or written-in token falls ≥ 7
-# below the seeded rule's best score, far beyond 0.1. bfloat16 → bfloat16 is refused until it has a
-# 1,000-batch run across kernel sets (see crypto.toploc.CALIBRATED_THRESHOLDS).
-_F32, _BF16 = ("torch", "float32"), ("torch", "bfloat16")
+# below the seeded rule's best score, far beyond 0.1. bfloat16 → bfloat16 on the CPU is refused until it
+# has a 1,000-batch run across kernel sets (see crypto.toploc.CALIBRATED_THRESHOLDS).
+# On an H200 (benchmarks/gpu.py, 1,000 honest batches per pair): cuda bf16 → cuda bf16 honest log-prob
+# error ≤ 0.024 and replay margin ≤ 0.020; cuda bf16 → cpu fp32 ≤ 0.020 / 0.016; cpu fp32 → cuda bf16
+# ≤ 0.022 / 0.019: inside the bf16 tolerances, with changed tokens ≥ 6.8 below the best score.
+_F32, _BF16 = ("torch", "float32", "cpu"), ("torch", "bfloat16", "cpu")
+_CUDA_BF16 = ("torch", "bfloat16", "cuda")
 _BF16_INFERER = SamplingTolerances(logprob=0.05, replay=0.1)
 SAMPLING_TOLERANCES: Mapping[tuple[EngineKey, EngineKey], SamplingTolerances] = MappingProxyType(
     {
         (_F32, _F32): SamplingTolerances(logprob=1e-3, replay=1e-4),
         (_BF16, _F32): _BF16_INFERER,
+        (_CUDA_BF16, _CUDA_BF16): _BF16_INFERER,
+        (_CUDA_BF16, _F32): _BF16_INFERER,
+        (_F32, _CUDA_BF16): _BF16_INFERER,
     }
 )
+DEVICE_KINDS: Final = ("cpu", "cuda")
+
+
+def device_kind(device: str) -> str:
+    """``"cpu"`` or ``"cuda"`` for a torch device string (``"cuda:1"`` → ``"cuda"``): what calibration is
+    keyed by (one GPU of a kind computes as another). NodeError ``unsupported_device`` for anything else."""
+    kind = device.split(":", 1)[0]
+    if kind not in DEVICE_KINDS:
+        raise NodeError(
+            f"device {device!r} is not one of {', '.join(DEVICE_KINDS)}", reason="unsupported_device"
+        )
+    return kind
 
 
 @dataclass(frozen=True)
@@ -68,10 +93,12 @@ class EngineSpec:
 
     family: str
     dtype: str
+    device: str = "cpu"
+    """The device kind (``device_kind``)."""
 
     @property
     def key(self) -> EngineKey:
-        return (self.family, self.dtype)
+        return (self.family, self.dtype, self.device)
 
     def toploc_thresholds(self) -> Thresholds:
         """The TOPLOC bounds for this engine checked by the same engine (``calibration(self, self)``)."""
@@ -97,26 +124,64 @@ def calibration(inferer: EngineSpec, validator: EngineSpec) -> Calibration:
     sampling = SAMPLING_TOLERANCES.get(key)
     if toploc is None or sampling is None:
         raise NodeError(
-            f"no verification bounds are calibrated for {inferer.family} {inferer.dtype} inferers checked "
-            f"by {validator.family} {validator.dtype} validators (calibrated: {describe_pairs()}); run "
-            "benchmarks/verification_dtypes.py on that pair and add its entries",
+            f"no verification bounds are calibrated for {describe(inferer.key)} inferers checked by "
+            f"{describe(validator.key)} validators (calibrated: {describe_pairs()}); run "
+            "benchmarks/verification_dtypes.py (CPU) or benchmarks/gpu.py (GPU) on that pair and add its "
+            "entries",
             reason="uncalibrated_engine",
         )
     return Calibration(inferer, validator, toploc, sampling)
 
 
+def describe(key: EngineKey) -> str:
+    family, dtype, device = key
+    return f"{family} {dtype} on {device}"
+
+
 def describe_pairs() -> str:
     """The calibrated pairs, as ``inferer → validator`` text for error messages."""
     pairs = sorted(set(CALIBRATED_THRESHOLDS) & set(SAMPLING_TOLERANCES))
-    return ", ".join(f"{i[0]} {i[1]} → {v[0]} {v[1]}" for i, v in pairs) or "none"
+    return ", ".join(f"{describe(i)} → {describe(v)}" for i, v in pairs) or "none"
 
 
-def run_calibration(run: Any) -> Calibration:
-    """``calibration`` of a run config's inferer and validator engines (``engine``, ``inference_dtype``,
-    ``validator_dtype``)."""
-    return calibration(
-        engine_spec(run.engine, run.inference_dtype), engine_spec(run.engine, run.validator_dtype)
+def admit_device(run: Any, role: str, device: str) -> None:
+    """NodeError ``device_not_admitted`` when the run config does not let ``role`` ("inferer" or
+    "validator") compute on ``device``: its pairs with the other role's devices were never calibrated."""
+    kind = device_kind(device)
+    admitted = run.inferer_devices if role == "inferer" else run.validator_devices
+    if kind not in admitted:
+        field = "inferer_devices" if role == "inferer" else "validator_devices"
+        flag = "--gpu auto (or a GPU index)" if kind == "cpu" else "--gpu none"
+        raise NodeError(
+            f"this run admits {role}s on {', '.join(admitted)} only ({field}), and this node's {role} "
+            f"would compute on {device}: start it with {flag}, "
+            f"or use a run config that admits {kind} (docs/gpu.md lists the calibrated pairs)",
+            reason="device_not_admitted",
+        )
+
+
+def run_calibration(run: Any, validator_device: str = "cpu") -> Calibration:
+    """The bounds a validator on ``validator_device`` checks a run's batches with: ``calibration`` of each
+    inferer device kind the run admits against this validator's engine, combined to the loosest bounds
+    (a batch does not say which device made it). NodeError when a pair is not calibrated or this
+    validator's device is not admitted."""
+    admit_device(run, "validator", validator_device)
+    validator = engine_spec(run.engine, run.validator_dtype, device_kind(validator_device))
+    pairs = [
+        calibration(engine_spec(run.engine, run.inference_dtype, kind), validator)
+        for kind in run.inferer_devices
+    ]
+    if len(pairs) == 1:
+        return pairs[0]
+    toploc = Thresholds(
+        max_exp_mismatches=max(p.toploc.max_exp_mismatches for p in pairs),
+        max_mant_err_mean=max(p.toploc.max_mant_err_mean for p in pairs),
+        max_mant_err_median=max(p.toploc.max_mant_err_median for p in pairs),
     )
+    sampling = SamplingTolerances(
+        logprob=max(p.sampling.logprob for p in pairs), replay=max(p.sampling.replay for p in pairs)
+    )
+    return Calibration(pairs[0].inferer, validator, toploc, sampling)
 
 
 def _build_torch(model: Any, tokenizer: Any, policy_step: int) -> TorchEngine:
@@ -134,9 +199,10 @@ _BACKENDS: Mapping[str, tuple[tuple[str, ...], Callable[[Any, Any, int], TorchEn
 )
 
 
-def engine_spec(family: str, dtype: str = DEFAULT_DTYPE) -> EngineSpec:
-    """The spec of engine family ``family`` computing in ``dtype``; NodeError ``unknown_engine`` for a
-    family we cannot build, ``unsupported_dtype`` for a dtype it does not compute in."""
+def engine_spec(family: str, dtype: str = DEFAULT_DTYPE, device: str = "cpu") -> EngineSpec:
+    """The spec of engine family ``family`` computing in ``dtype`` on device kind ``device``; NodeError
+    ``unknown_engine`` for a family we cannot build, ``unsupported_dtype`` for a dtype it does not compute
+    in, ``unsupported_device`` for a device kind we do not calibrate."""
     backend = _BACKENDS.get(family)
     if backend is None:
         known = ", ".join(sorted(_BACKENDS))
@@ -146,7 +212,7 @@ def engine_spec(family: str, dtype: str = DEFAULT_DTYPE) -> EngineSpec:
             f"engine {family!r} does not compute in {dtype!r} (one of {', '.join(backend[0])})",
             reason="unsupported_dtype",
         )
-    return EngineSpec(family, dtype)
+    return EngineSpec(family, dtype, device_kind(device))
 
 
 def setup_engine(

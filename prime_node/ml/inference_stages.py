@@ -84,6 +84,8 @@ class ChildInference:
         skip: list[int],
         root: Path,
         start_weights: dict[str, torch.Tensor],
+        *,
+        device: str = "cpu",
     ) -> None:
         self.handoff = config.output_dir / "inference-handoff"
         shutil.rmtree(self.handoff, ignore_errors=True)
@@ -115,6 +117,8 @@ class ChildInference:
             json.dumps(skip),
             "--handoff",
             str(self.handoff),
+            "--device",
+            device,
         ]
         self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._lock = threading.Lock()

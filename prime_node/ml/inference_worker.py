@@ -102,6 +102,7 @@ def _generate(
     steps: list[int],
     root: Path,
     handoff: Path,
+    device: str = "cpu",
 ) -> None:
     import torch
 
@@ -117,7 +118,9 @@ def _generate(
     tokenizer = load_tokenizer(source)
     task = build_task(config.task)
     dtype = config.inference_dtype
-    engine = load_engine(source, tokenizer, engine=config.engine, dtype=dtype, policy_step=start)
+    engine = load_engine(
+        source, tokenizer, engine=config.engine, dtype=dtype, device=device, policy_step=start
+    )
     first = handoff_path(handoff, start)
     engine.load_weights(with_tied_head(engine.model, read_weights(first.parent, first.name)), start)
     latest = start
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip", default="[]", help="JSON list of steps whose batches are replayed from the log"
     )
+    parser.add_argument("--device", default="cpu", help="The trainer's device (hardware.select_device)")
     args = parser.parse_args(argv)
     protocol_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints from libraries must not corrupt the byte stream
@@ -167,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             steps,
             args.checkpoints,
             args.handoff,
+            args.device,
         )
     except BaseException as exc:  # reported to the trainer, which raises it as a NodeError
         with contextlib.suppress(OSError):

@@ -106,8 +106,7 @@ class LocalRun:
             raise NodeError("no model: pass --model or set model_dir in the run config", reason="bad_config")
         _configure_threads(config, dist.world_size)
         self.config, self.dist, self.base, self.evaluate = config, dist, base, evaluate
-        device = dist.device if dist.world_size > 1 else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.session = TrainingSession(config, base=base, dist=dist, device=device)
+        self.session = TrainingSession(config, base=base, dist=dist)  # on dist.device (select_device)
         self.start = self.session.start_step
         self.result = LocalRunResult(start_step=self.start)
         self.replay = self.session.logged_batches()
@@ -128,6 +127,7 @@ class LocalRun:
                 sorted(self.replay),
                 session.checkpoint_root,
                 session.weights(self.start),
+                device=session.device,
             )
             self.batches = self.child
             return None

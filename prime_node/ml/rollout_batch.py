@@ -35,6 +35,33 @@ def with_tied_head(model: Any, weights: dict[str, torch.Tensor]) -> dict[str, to
     return weights
 
 
+def scheduled_requests(
+    task: TaskSource,
+    tokenizer: Any,
+    config: RunConfig,
+    *,
+    worker: Address,
+    policy_step: int,
+    batch_counter: int,
+) -> tuple[list[int], list[list[int]], list[int]]:
+    """The scheduled batch's task ids (one per group) and, per sample, its prompt tokens and seed: what
+    ``make_batch`` asks the engine for (a GPU inferer can generate many batches' requests at once)."""
+    pool = task.train_ids()
+    drawn = schedule.draw(
+        worker,
+        policy_step,
+        batch_counter,
+        config.seed,
+        pool_size=len(pool),
+        groups=config.prompts_per_step,
+        group_size=config.group_size,
+    )
+    task_ids = [pool[i] for i in drawn.task_indices]
+    prompts = [encode_prompt(tokenizer, task.prompt(t)) for t in task_ids for _ in range(config.group_size)]
+    seeds = [s for group in drawn.seeds for s in group]
+    return task_ids, prompts, seeds
+
+
 def make_batch(
     engine: InferenceEngine,
     task: TaskSource,
@@ -51,19 +78,9 @@ def make_batch(
     With ``prove`` (e.g. ``prime_node.verification.proofs.build_proofs``) the engine also returns the final
     hidden states and each sample carries its TOPLOC proof; without it the proof slot stays empty.
     """
-    pool = task.train_ids()
-    drawn = schedule.draw(
-        worker,
-        policy_step,
-        batch_counter,
-        config.seed,
-        pool_size=len(pool),
-        groups=config.prompts_per_step,
-        group_size=config.group_size,
+    task_ids, prompts, seeds = scheduled_requests(
+        task, tokenizer, config, worker=worker, policy_step=policy_step, batch_counter=batch_counter
     )
-    task_ids = [pool[i] for i in drawn.task_indices]
-    prompts = [encode_prompt(tokenizer, task.prompt(t)) for t in task_ids for _ in range(config.group_size)]
-    seeds = [s for group in drawn.seeds for s in group]
     params = SamplingParams(
         max_new_tokens=config.max_new_tokens, temperature=config.temperature, return_hidden=prove is not None
     )

@@ -17,9 +17,11 @@ reported log-prob is ``log_softmax(logits / T)[token]`` (``T == 0`` uses T = 1).
 of the last position fed to the model, i.e. the position that predicts completion token ``t``.
 
 A validator recomputes logits by one prefill pass; they differ from KV-cache generation by float
-rounding, so it checks ``replay_margin(...) <= tolerance`` rather than exact equality. The noise is
-computed with numpy's wrapping uint64 arithmetic; any implementation of the rule above agrees bit for
-bit on the noise.
+rounding, so it checks ``replay_margin(...) <= tolerance`` rather than exact equality. On the CPU the
+noise is computed with numpy's wrapping uint64 arithmetic; for logits on a GPU it is computed there
+(``gumbel_noise_torch``: the same bits in wrapping int64, so a [batch, vocab] float64 matrix never
+crosses to the host each step). The hash bits agree exactly; the two float64 ``log`` implementations may
+differ in the last bit, far inside the replay tolerance.
 """
 
 from __future__ import annotations
@@ -60,22 +62,63 @@ def gumbel_noise(seeds: Sequence[int], positions: Sequence[int], vocab_size: int
     return noise
 
 
+def _signed(value: np.uint64) -> int:
+    """A u64 constant as the int64 with the same bits (torch has no wrapping uint64 multiply)."""
+    return int(value) - (1 << 64) if int(value) >= 1 << 63 else int(value)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (``>>`` on int64 is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix_torch(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shift_right(x, 30)
+    x = x * _signed(_M1)
+    x = x ^ _shift_right(x, 27)
+    x = x * _signed(_M2)
+    return x ^ _shift_right(x, 31)
+
+
+def gumbel_noise_torch(
+    seeds: Sequence[int], positions: Sequence[int], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """``gumbel_noise`` computed on ``device`` (float64 [len(seeds), vocab_size]): the same hash bits in
+    wrapping int64 arithmetic."""
+    import torch
+
+    golden = _signed(_GOLDEN)
+    s = torch.as_tensor([seed & _MASK63 for seed in seeds], dtype=torch.int64, device=device)
+    t = torch.as_tensor(list(positions), dtype=torch.int64, device=device)
+    key = _mix_torch(s ^ _mix_torch(t + golden))
+    v = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device) * golden
+    bits = _shift_right(_mix_torch(key[:, None] + v[None, :]), 11)
+    u = (bits.to(torch.float64) + 0.5) / float(1 << 53)
+    return -torch.log(-torch.log(u))
+
+
 def _scores(
     logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int], temperature: float
 ) -> torch.Tensor:
+    """float64 scores of the rule, on the device of ``logits`` when it is a GPU, else on the CPU."""
     import torch
 
-    scaled = logits.detach().to("cpu", torch.float64)
+    device = logits.device if logits.device.type != "cpu" else torch.device("cpu")
+    scaled = logits.detach().to(device, torch.float64)
     if temperature == 0:
         return scaled
-    noise = torch.from_numpy(gumbel_noise(seeds, positions, scaled.shape[-1]))
+    if device.type == "cpu":
+        noise = torch.from_numpy(gumbel_noise(seeds, positions, scaled.shape[-1]))
+    else:
+        noise = gumbel_noise_torch(seeds, positions, scaled.shape[-1], device)
     return scaled / temperature + noise
 
 
 def choose_tokens(
     logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int], temperature: float
 ) -> torch.Tensor:
-    """The rule's token for each row of ``logits`` [batch, vocab]; a LongTensor [batch] on CPU."""
+    """The rule's token for each row of ``logits`` [batch, vocab]; a LongTensor [batch] on the logits'
+    device (the caller copies the chosen ids once, with whatever else it needs from that step)."""
     if temperature < 0:
         raise ValueError("temperature must be >= 0")
     return _scores(logits, seeds, positions, temperature).argmax(dim=-1)
@@ -105,6 +148,7 @@ def replay_margin(
     import torch
 
     scores = _scores(logits, seeds, positions, temperature)
-    claimed = scores.gather(-1, torch.as_tensor(list(tokens), dtype=torch.long).view(-1, 1)).squeeze(-1)
+    index = torch.as_tensor(list(tokens), dtype=torch.long, device=scores.device).view(-1, 1)
+    claimed = scores.gather(-1, index).squeeze(-1)
     margin: torch.Tensor = scores.max(dim=-1).values - claimed
     return margin

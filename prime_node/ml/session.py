@@ -163,15 +163,17 @@ class TrainingSession:
     beforehand) may run in another thread beside ``train``: it has its own engine and tokenizer.
 
     ``base``: the base model directory (architecture, tokenizer and the step-0 weights; never pruned).
-    ``device``: where the training model (and the evaluation engine) live.
+    ``device``: where the training model (and the evaluation engine) live; default ``dist.device`` (the
+    one device policy, ``prime_node.hardware.select_device``, via ``distributed.init_from_env``).
     """
 
     def __init__(
-        self, config: RunConfig, *, base: Path, dist: DistInfo | None = None, device: str = "cpu"
+        self, config: RunConfig, *, base: Path, dist: DistInfo | None = None, device: str | None = None
     ) -> None:
         torch.manual_seed(config.torch_seed)
-        self.config, self.base, self.device = config, base, device
         self.dist = dist or DistInfo()
+        self.config, self.base = config, base
+        self.device = device if device is not None else self.dist.device
         self.checkpoint_root = config.output_dir / "checkpoints"
         self.state_root = config.output_dir / "train_state"
         found = list_checkpoints(self.checkpoint_root)
@@ -188,7 +190,7 @@ class TrainingSession:
         self.source = step_dir(self.checkpoint_root, resume.step) if resume else base
         """Where the starting weights came from: the resumed step's checkpoint, or the base model."""
         self._oldest_kept = found[0].step if found else 0
-        self.model = load_model(self.source, device=device)
+        self.model = load_model(self.source, device=self.device)
         self.tokenizer = load_tokenizer(base)
         self.task = build_task(config.task)
         self.trainer = GRPOTrainer(

@@ -80,6 +80,7 @@ def snapshot(node: StatusSource) -> dict[str, Any]:
                     "ram_mib": record.hardware.ram_mib,
                     "gpu_count": record.hardware.gpu_count,
                     "gpu_vram_mib": record.hardware.gpu_vram_mib,
+                    "device": record.hardware.device,
                 },
                 "software_version": record.software_version,
             }

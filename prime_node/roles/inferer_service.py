@@ -1,7 +1,8 @@
 """The inferer as a node service: newest policy in, proven and signed rollout batches out (DESIGN §1).
 
 It waits for the first complete checkpoint in the weight swarm, loads it into an engine
-(``ml.engines.load_engine``; one torch thread: the node shares its cores with others), then loops:
+(``ml.engines.load_engine``; one torch thread: the node shares its cores with others) on the device the
+role runner chose (``hardware.select_device``), then loops:
 before each batch it switches to the newest complete policy the swarm holds, generates the scheduled
 batch for (its address, policy step, batch counter) with TOPLOC proofs in a worker thread, and gossips
 it signed. Counters start at the wall clock in ms and only grow, so a restarted inferer never repeats a
@@ -16,6 +17,11 @@ A batch frame small enough for gossip rides it whole; a bigger one (up to the ru
 ``max_rollout_batch_bytes``) is held by the service's ``BatchTransfer`` and announced, and validators and
 the trainer fetch it over the data plane (prime_node/verification/topics.py).
 
+On a GPU it plans memory before loading (``ml/vram_plan.py``): a run batch that does not fit is generated
+in smaller chunks (the samples stay the same: each is seeded on its own), a model that does not fit at
+all is refused with the numbers. Generation runs through ``ml/oom_retry.py``'s ``ChunkedEngine``, which
+halves the chunk on an out-of-memory error: a batch is published whole or not at all.
+
 What it publishes for each batch comes from a ``RolloutProducer``: ``HonestProducer`` unless whoever
 builds the service passes another one — the demo's cheating inferer passes a ``CheatingProducer``
 (prime_node/verification/cheating.py), whose every batch validators must reject.
@@ -26,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,11 +41,13 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
+from prime_node.ml.oom_retry import ChunkedEngine
 from prime_node.node.stage_times import StageTimes
 from protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
     from prime_node.ml.engine import InferenceEngine
+    from prime_node.ml.vram_plan import VramPlan
     from prime_node.node.context import NodeContext
     from prime_node.node.gossip import Delivered
     from prime_node.tasks.base import TaskSource
@@ -46,6 +55,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_TRACKED_BATCHES = 4096
+
+
+PROMPT_SAMPLE = 256
+"""Train prompts measured for the VRAM plan's prompt length (a longer one is left to the OOM retry)."""
+
+
+def longest_prompt(task: TaskSource, tokenizer: Any, sample: int = PROMPT_SAMPLE) -> int:
+    """Tokens in the longest of the task's first ``sample`` train prompts."""
+    from prime_node.ml.evaluation import encode_prompt
+
+    ids = task.train_ids()[:sample]
+    return max((len(encode_prompt(tokenizer, task.prompt(i))) for i in ids), default=1)
+
+
+def cuda_free_bytes(device: str) -> int:
+    """Free memory on a CUDA device now."""
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
 
 
 class PolicySource(Protocol):
@@ -149,8 +178,15 @@ class InfererService:
         policy_wait_s: float = 2.0,
         max_in_flight: int = 2,
         verdict_timeout_s: float = 20.0,
+        device: str = "cpu",
+        free_vram: Callable[[str], int] | None = None,
     ) -> None:
         self.key = key
+        self.device = device
+        """Where the engine computes (``hardware.select_device``)."""
+        self.free_vram = free_vram or cuda_free_bytes
+        """Free memory of a CUDA device, for the VRAM plan (tests pass synthetic sizes)."""
+        self.vram_plan: VramPlan | None = None
         self.config = run_config
         self.swarm = swarm
         self.batches_per_policy = batches_per_policy
@@ -197,6 +233,9 @@ class InfererService:
             "adversary": self.producer.adversary,
             "stages": self.stages.summary(),
             "transfer": self.transfer.status() if self.transfer is not None else {},
+            "device": self.device,
+            "vram_plan": self.vram_plan.describe() if self.vram_plan is not None else None,
+            "chunk": getattr(self._engine, "max_batch", None),
         }
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -346,11 +385,34 @@ class InfererService:
         self._tokenizer = load_tokenizer(path)
         self._task = build_task(self.config.task)
         config = self.config
-        self._engine = load_engine(
-            path, self._tokenizer, engine=config.engine, dtype=config.inference_dtype, policy_step=step
+        max_batch = None
+        if self.device.startswith("cuda"):  # plan before loading: refuse or shrink, never crash mid-run
+            self.vram_plan = self.plan_vram(path)
+            max_batch = self.vram_plan.require()
+            log.info("inferer VRAM plan: %s", self.vram_plan.describe())
+        engine = load_engine(
+            path,
+            self._tokenizer,
+            engine=config.engine,
+            dtype=config.inference_dtype,
+            device=self.device,
+            policy_step=step,
         )
+        self._engine = ChunkedEngine(engine, max_batch=max_batch)
         self.policy_step = step
-        log.info("inferer loaded policy %d from %s", step, path)
+        log.info("inferer loaded policy %d from %s on %s", step, path, self.device)
+
+    def plan_vram(self, path: Path) -> VramPlan:
+        """The generation plan for the model in ``path`` on this inferer's device (``ml/vram_plan.py``)."""
+        from prime_node.ml.vram_plan import GenerationSettings, model_shape, plan_generation
+
+        settings = GenerationSettings(
+            batch=self.config.samples_per_step,
+            prompt_tokens=longest_prompt(self._task, self._tokenizer),
+            max_new_tokens=self.config.max_new_tokens,
+            dtype=self.config.inference_dtype,
+        )
+        return plan_generation(model_shape(path), settings, self.free_vram(self.device), device=self.device)
 
     def _switch(self, step: int, path: Path) -> None:
         from prime_node.ml.checkpoint import read_weights

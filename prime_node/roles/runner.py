@@ -13,9 +13,11 @@ Demand (advisory; it only steers roles, never admission): live inferers and vali
 records' ``role``; the backlog is the number of rollout batches gossiped in the last minute that no
 verdict has named yet (a validator uses its own queue length instead).
 
-The runner reports the chosen role and the hardware ``--gpu`` selected as a part of the node's peer
-record (``NodeContext.add_record_source``). Each role's services run on ``context.scoped()``: their
-gossip subscriptions end with the role, beside the runner's own (gossip fans out to every subscriber).
+The runner reports the chosen role, the hardware ``--gpu`` selected and the device the role computes on
+(``hardware.select_device``: ``cpu`` or ``cuda:N``, handed to the role's engines) as a part of the node's
+peer record (``NodeContext.add_record_source``) and in its status section. Each role's services run on
+``context.scoped()``: their gossip subscriptions end with the role, beside the runner's own (gossip fans
+out to every subscriber).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from prime_node.node.context import NodeContext
     from prime_node.node.gossip import Delivered
     from prime_node.swarm.service import SwarmService
+    from protocol.peer_record import HardwareSummary
     from protocol.roles import HardwareProfile, RoleDecision, RoleState, RunRequirements
 
 log = logging.getLogger(__name__)
@@ -161,6 +164,8 @@ class RoleRunner:
         self.state: RoleState | None = None
         self.reason = "waiting for the run announcement"
         self.service: Any = None
+        self.device = ""
+        """Where the role's engines compute (``hardware.select_device``); empty for a role without one."""
         self.switches = 0
         self._scope: trio.CancelScope | None = None
         self._stopped = trio.Event()
@@ -179,6 +184,7 @@ class RoleRunner:
             "reason": self.reason if pinned is not None else self.follower.refusal(),
             "since_s": round(now - self.state.since, 1) if self.state is not None else 0.0,
             "profile": self.profile.describe() if self.profile is not None else {},
+            "device": self.device,
             "trainer": str(pinned) if pinned is not None else None,
             "announcements": self.follower.status_rows(self._wall_ms()),
             "switches": self.switches,
@@ -266,8 +272,13 @@ class RoleRunner:
             self._scope = None
         self.service = None
         role = decision.role
-        self._advertised = dataclasses.replace(self.record_part(), role=role)
-        log.info("role: %s (%s)", role, decision.reason)
+        self.device = self._device_for(role)
+        if self.device:
+            from prime_node.ml.engines import admit_device
+
+            admit_device(config, role, self.device)  # NodeError with the fix: never an uncalibrated pair
+        self._advertised = dataclasses.replace(self.record_part(), role=role, hardware=self._summary())
+        log.info("role: %s (%s)%s", role, decision.reason, f" on {self.device}" if self.device else "")
         if self.state is not None:
             self.switches += 1
         services = self._build(role, config)
@@ -295,6 +306,19 @@ class RoleRunner:
         if self.service is main and not scope.cancelled_caught:
             log.info("the %s service ended", self.role)
 
+    def _device_for(self, role: str) -> str:
+        """The device of a role that runs a model (NodeError if the selected GPU is gone), else empty."""
+        from prime_node.hardware import select_device
+
+        if role not in ("inferer", "validator") or self.profile is None:
+            return ""
+        return select_device(self.profile, self.gpus)
+
+    def _summary(self) -> HardwareSummary | None:
+        from prime_node.hardware import to_summary
+
+        return None if self.profile is None else to_summary(self.profile, self.device)
+
     def _build(self, role: str, config: RunConfig) -> list[Any]:
         """The role's services, the one whose status steers the policy last."""
         if role == "inferer":
@@ -306,7 +330,11 @@ class RoleRunner:
                 if self.adversary is None
                 else CheatingProducer(self.adversary, key=self.key, run_config=config)
             )
-            return [InfererService(key=self.key, run_config=config, swarm=self.swarm, producer=cheat)]
+            return [
+                InfererService(
+                    key=self.key, run_config=config, swarm=self.swarm, producer=cheat, device=self.device
+                )
+            ]
         if role == "validator":
             from prime_node.verification.reputation import ReputationService
             from prime_node.verification.service import ValidatorService, ValidatorSettings
@@ -318,7 +346,7 @@ class RoleRunner:
                 locate=self.swarm.locate,
                 current_step=self._current_step,
                 reputation=reputation,
-                settings=ValidatorSettings(keep_policies=config.async_level + 1),
+                settings=ValidatorSettings(keep_policies=config.async_level + 1, device=self.device),
                 policies_changed=self.swarm.wait_changed,
             )
             return [reputation, validator]

@@ -295,14 +295,16 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-def launch_networked(spec: LaunchSpec, key: WalletKey, nproc: int) -> None:
-    """The launcher of ``run-trainer --nproc N`` without --local (see the module doc)."""
+def launch_networked(spec: LaunchSpec, key: WalletKey, nproc: int, gpus: str = "auto") -> None:
+    """The launcher of ``run-trainer --nproc N`` without --local (see the module doc); ``gpus`` is
+    ``--gpu``, which every rank maps to its device (``hardware.select_device``)."""
     directory = Path(tempfile.mkdtemp(prefix="prime-node-trainer-"))  # mode 0700
     try:
         spec.write(directory)
         handoff = KeyHandoff(directory, key)
         try:
-            run_torchrun(ENTRY_MODULE, ["--launch-dir", str(directory)], nproc, on_started=handoff.serve)
+            args = ["--launch-dir", str(directory), "--gpu", gpus]
+            run_torchrun(ENTRY_MODULE, args, nproc, on_started=handoff.serve)
         finally:
             handoff.close()
     finally:
@@ -380,6 +382,7 @@ def _follow(spec: LaunchSpec, dist: DistInfo) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=ENTRY_MODULE)
     parser.add_argument("--launch-dir", type=Path, required=True)
+    parser.add_argument("--gpu", default="auto", help="run-trainer --gpu: auto, none or indices (0,1)")
     args = parser.parse_args(argv)
     level = os.environ.get("PRIME_NODE_LOG_LEVEL", "warning").upper()
     logging.basicConfig(
@@ -398,7 +401,13 @@ def main(argv: list[str] | None = None) -> int:
         set_death_signal()
         if os.getppid() == 1:  # torchrun died before the request took effect
             return 1
-    dist = init_from_env()
+    try:  # this rank's device: select_device for its LOCAL_RANK (a missing GPU is a clear error)
+        from prime_node.hardware import parse_gpu_selection
+
+        dist = init_from_env(parse_gpu_selection(args.gpu))
+    except NodeError as exc:
+        print(f"error: trainer rank {rank}: {exc}", file=sys.stderr)
+        return 1
     try:
         together = run_rank(args.launch_dir, dist)
     except (NodeError, CryptoError, ProtocolError) as exc:

@@ -197,6 +197,7 @@ class TrainerService:
             "step": self.step,
             "max_steps": self.config.max_steps,
             "ranks": 1 if self.dist is None else self.dist.world_size,
+            "device": "cpu" if self.dist is None else self.dist.device,
             "reward_curve": self.reward_curve,
             "held_out": self.held_out,
             "batches_accepted": self.batches_accepted,

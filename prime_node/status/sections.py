@@ -135,6 +135,8 @@ def role_view(section: Any) -> RenderableType:
         grid.add_row("error", error)
     grid.add_row("role", Text(as_text(data.get("role"), 16) or "?", style="bold cyan"))
     grid.add_row("why", Text(as_text(data.get("reason"), 480) or "-"))
+    if device := as_text(data.get("device"), 32):
+        grid.add_row("device", Text(device))
     if "trainer" in data:
         grid.add_row("trainer", Text(as_text(data.get("trainer"), 42) or "none pinned"))
     for row in map(as_dict, as_list(data.get("announcements"))[:MAX_ANNOUNCERS]):
@@ -195,6 +197,10 @@ def _counter_view(title: str, section: Any, keys: tuple[str, ...], extra: tuple[
     for key in keys:
         grid.add_row(key.replace("_", " "), _number(data.get(key)))
     grid.add_row("rejected", _counts_text(counts(data.get("rejected"))))
+    if device := as_text(data.get("device"), 32):
+        grid.add_row("device", Text(device))
+    if plan := as_text(data.get("vram_plan"), 480):
+        grid.add_row("vram plan", Text(plan))
     for key in extra:
         grid.add_row(key.replace("_", " "), _number(data.get(key), 2))
     return Panel(grid, title=title)
@@ -226,6 +232,8 @@ def training_view(section: Any) -> Panel:
     if (error := _error(data)) is not None:
         grid.add_row("error", error)
     grid.add_row("step", _number(data.get("step")))
+    if device := as_text(data.get("device"), 32):
+        grid.add_row("device", Text(device))
     grid.add_row("reward", curve_text(series(data.get("reward_curve"))))
     grid.add_row("held-out", curve_text(series(data.get("held_out"))))
     grid.add_row("batches accepted", _number(data.get("batches_accepted")))

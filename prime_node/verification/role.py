@@ -33,7 +33,8 @@ class PolicyEngines:
     engines exist the dropped one's model is reused: the new step's safetensors weights are loaded into
     it (a strict ``load_state_dict``), which is far cheaper than building a model with
     ``from_pretrained``. Only the first ``keep`` policies, or a checkpoint whose ``config.json`` differs
-    from the model's, build a model. ``builds`` counts those. ``engine`` is the run's engine family.
+    from the model's, build a model. ``builds`` counts those. ``engine`` is the run's engine family,
+    ``device`` where the engines compute (``prime_node.hardware.select_device``).
     """
 
     def __init__(
@@ -44,11 +45,13 @@ class PolicyEngines:
         keep: int = 3,
         engine: str = DEFAULT_ENGINE,
         dtype: str = DEFAULT_DTYPE,
+        device: str = "cpu",
     ) -> None:
         if keep < 1:
             raise ValueError("keep at least one policy")
         engine_spec(engine, dtype)  # an unknown family or dtype fails here, not at the first batch
         self.dtype = dtype
+        self.device = device
         self.locate = locate
         self.tokenizer = tokenizer
         self.keep = keep
@@ -86,7 +89,12 @@ class PolicyEngines:
 
     def _build(self, directory: Path, step: int) -> TorchEngine:
         engine = load_engine(
-            directory, self.tokenizer, engine=self.engine, dtype=self.dtype, policy_step=step
+            directory,
+            self.tokenizer,
+            engine=self.engine,
+            dtype=self.dtype,
+            device=self.device,
+            policy_step=step,
         )
         self.builds += 1
         return engine

@@ -129,6 +129,8 @@ class ValidatorSettings:
     while they would pass it is not fetched (counted in ``dropped_backlog``). Gossiped frames (≤ 256 KiB
     each) are bounded by the queue sizes."""
     check_policy: CheckPolicy = field(default_factory=CheckPolicy)
+    device: str = "cpu"
+    """Where the policy engines compute (``prime_node.hardware.select_device``)."""
 
     def __post_init__(self) -> None:
         sizes = (
@@ -274,6 +276,7 @@ class ValidatorService:
             "fetches_pending": self._fetches_pending,
             "held_bytes": self._held_bytes,
             "transfer": self.transfer.status() if self.transfer is not None else {},
+            "device": self.settings.device,
         }
 
     def published_step(self) -> int:
@@ -536,7 +539,12 @@ class ValidatorService:
 
         run = self.run_config
         self._engines = PolicyEngines(
-            self.locate, self.tokenizer, keep=self.keep_policies, engine=run.engine, dtype=run.validator_dtype
+            self.locate,
+            self.tokenizer,
+            keep=self.keep_policies,
+            engine=run.engine,
+            dtype=run.validator_dtype,
+            device=self.settings.device,
         )
         validator = BatchValidator(
             self.run_config,
@@ -545,6 +553,7 @@ class ValidatorService:
             self._engine,
             rollout_verifier=EnvelopeVerifier(self.domain, self.window),
             policy=self.check_policy,
+            device=self.settings.device,
         )
         self._judge = Judge(validator, self.key)
 

@@ -136,8 +136,9 @@ class BatchValidator:
 
     ``engines(step)`` returns an engine holding policy ``step`` (or None if this validator does not
     have it); ``rollout_verifier`` holds the freshness window and replay cache of rollout envelopes.
-    A run whose (inferer, validator) engine pair has no calibrated bounds is refused here (NodeError
-    ``uncalibrated_engine``), before any batch is judged.
+    A run whose (inferer, validator) engine pairs have no calibrated bounds, or that does not admit
+    validators on ``device`` (where this validator's engines compute), is refused here (NodeError
+    ``uncalibrated_engine`` / ``device_not_admitted``), before any batch is judged.
     """
 
     def __init__(
@@ -150,6 +151,7 @@ class BatchValidator:
         rollout_verifier: EnvelopeVerifier,
         policy: CheckPolicy = CheckPolicy(),
         sampling_key: bytes | None = None,
+        device: str = "cpu",
     ) -> None:
         self.config = config
         self.task = task
@@ -157,7 +159,7 @@ class BatchValidator:
         self.engines = engines
         self.rollout_verifier = rollout_verifier
         self.policy = policy
-        self.calibration = run_calibration(config)
+        self.calibration = run_calibration(config, device)
         self.engine_thresholds = self.calibration.toploc
         self.sampling_key = os.urandom(32) if sampling_key is None else sampling_key
         self._pool = task.train_ids()
@@ -358,6 +360,7 @@ class BatchValidator:
         replay and log-prob comparison on all checked tokens at once (one pass each, not one per sample)."""
         import torch
 
+        from prime_node.ml.oom_retry import run_in_chunks
         from prime_node.ml.sampling import replay_margin, token_logprobs
         from prime_node.verification.proofs import check_proofs
 
@@ -365,7 +368,13 @@ class BatchValidator:
         samples = [batch.samples[n] for n in numbers]
         prompts = [list(s.prompt_tokens()) for s in samples]
         completions = [list(s.completion_tokens()) for s in samples]
-        prefills = engine.prefill(prompts, completions)
+        # The prefill survives running out of GPU memory: halved chunks, never a partial result (a
+        # NodeError out_of_gpu_memory when one sample does not fit: the node's problem, not the worker's).
+        prefills, _ = run_in_chunks(
+            lambda start, stop: engine.prefill(prompts[start:stop], completions[start:stop]),
+            len(prompts),
+            max_batch=max(1, len(prompts)),
+        )
         try:
             checks = check_proofs([p.hidden for p in prefills], [s.proof for s in samples])
         except CryptoError as exc:  # stage 4 decoded every proof; this would be a bug, not the worker's

@@ -19,7 +19,10 @@ from prime_node.ml.engines import (
     DEFAULT_ENGINE,
     SAMPLING_TOLERANCES,
     EngineSpec,
+    SamplingTolerances,
+    admit_device,
     calibration,
+    device_kind,
     engine_spec,
     load_engine,
     run_calibration,
@@ -103,7 +106,7 @@ def test_a_run_config_refuses_an_engine_it_does_not_know() -> None:
         RunConfig.model_validate({"engine": "vllm"})
 
 
-F32 = ("torch", "float32")
+F32 = ("torch", "float32", "cpu")
 
 
 def test_thresholds_are_keyed_by_the_inferer_and_validator_engines() -> None:
@@ -119,7 +122,8 @@ def test_thresholds_are_keyed_by_the_inferer_and_validator_engines() -> None:
         with pytest.raises(NodeError) as caught:
             calibration(inferer, validator)
         assert caught.value.reason == "uncalibrated_engine"
-        assert "vllm float32" in str(caught.value) and "torch float32 → torch float32" in str(caught.value)
+        assert "vllm float32" in str(caught.value)
+        assert "torch float32 on cpu → torch float32 on cpu" in str(caught.value)
 
 
 def test_every_calibrated_pair_has_both_its_toploc_bounds_and_its_sampling_tolerances() -> None:
@@ -131,10 +135,66 @@ def test_every_calibrated_pair_has_both_its_toploc_bounds_and_its_sampling_toler
         assert 0 < pair.sampling.replay < 1 and 0 < pair.sampling.logprob < 1
 
 
-@pytest.mark.parametrize("dtypes", [(i[1], v[1]) for i, v in CALIBRATED_THRESHOLDS if i[0] == "torch"])
-def test_a_run_config_accepts_every_calibrated_dtype_pair(dtypes: tuple[str, str]) -> None:
-    run = validate_run_config({"inference_dtype": dtypes[0], "validator_dtype": dtypes[1]}, source="run.toml")
-    assert (run_calibration(run).inferer.dtype, run_calibration(run).validator.dtype) == dtypes
+@pytest.mark.parametrize("pair", [(*i[1:], *v[1:]) for i, v in CALIBRATED_THRESHOLDS if i[0] == "torch"])
+def test_a_run_config_accepts_every_calibrated_pair(pair: tuple[str, str, str, str]) -> None:
+    inference_dtype, inferer_device, validator_dtype, validator_device = pair
+    run = validate_run_config(
+        {
+            "inference_dtype": inference_dtype,
+            "validator_dtype": validator_dtype,
+            "inferer_devices": [inferer_device],
+            "validator_devices": [validator_device],
+        },
+        source="run.toml",
+    )
+    found = run_calibration(run, validator_device)
+    assert (found.inferer.dtype, found.inferer.device, found.validator.dtype, found.validator.device) == pair
+
+
+def test_a_run_refuses_device_pairs_never_calibrated_and_nodes_on_devices_it_does_not_admit() -> None:
+    # A float32 GPU inferer was never measured against anything: refused when the config loads.
+    with pytest.raises(NodeError) as caught:
+        validate_run_config({"inferer_devices": ["cuda"]}, source="run.toml")
+    assert caught.value.reason == "bad_config" and "float32 on cuda" in str(caught.value)
+    # bf16 inferers on CPUs and GPUs, float32 validators on CPUs: both pairs calibrated.
+    run = validate_run_config(
+        {"inference_dtype": "bfloat16", "inferer_devices": ["cpu", "cuda"]}, source="run.toml"
+    )
+    assert run_calibration(run, "cpu").validator == EngineSpec("torch", "float32", "cpu")
+    admit_device(run, "inferer", "cuda:1")
+    admit_device(run, "inferer", "cpu")
+    with pytest.raises(NodeError) as caught:
+        admit_device(run, "validator", "cuda:0")  # the run admits CPU validators only
+    assert caught.value.reason == "device_not_admitted" and "--gpu none" in str(caught.value)
+    with pytest.raises(NodeError) as caught:
+        run_calibration(run, "cuda:0")
+    assert caught.value.reason == "device_not_admitted"
+    with pytest.raises(NodeError) as caught:
+        admit_device(RunConfig.model_validate({}), "inferer", "cuda:0")  # the default run: CPUs only
+    assert caught.value.reason == "device_not_admitted" and "inferer_devices" in str(caught.value)
+    with pytest.raises(NodeError) as caught:
+        device_kind("mps")
+    assert caught.value.reason == "unsupported_device"
+
+
+def test_a_validator_checks_with_the_loosest_bounds_of_the_inferer_devices_the_run_admits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch does not say which device made it: two admitted inferer devices give the larger bound of
+    each, never the tighter one (which would reject the other device's honest work)."""
+    cpu_bf16, cuda_bf16 = ("torch", "bfloat16", "cpu"), ("torch", "bfloat16", "cuda")
+    tight = Thresholds(max_exp_mismatches=4, max_mant_err_mean=3.0, max_mant_err_median=1.0)
+    loose = Thresholds(max_exp_mismatches=9, max_mant_err_mean=1.0, max_mant_err_median=2.0)
+    monkeypatch.setattr(engines, "CALIBRATED_THRESHOLDS", {(cpu_bf16, F32): tight, (cuda_bf16, F32): loose})
+    monkeypatch.setattr(
+        engines,
+        "SAMPLING_TOLERANCES",
+        {(cpu_bf16, F32): SamplingTolerances(0.01, 0.2), (cuda_bf16, F32): SamplingTolerances(0.03, 0.1)},
+    )
+    run = RunConfig.model_validate({"inference_dtype": "bfloat16", "inferer_devices": ["cpu", "cuda"]})
+    found = run_calibration(run)
+    assert found.toploc == Thresholds(max_exp_mismatches=9, max_mant_err_mean=3.0, max_mant_err_median=2.0)
+    assert found.sampling == SamplingTolerances(logprob=0.03, replay=0.2)
 
 
 def test_a_run_config_names_only_dtypes_the_engine_computes_in() -> None:
@@ -148,8 +208,8 @@ def test_a_run_config_names_only_dtypes_the_engine_computes_in() -> None:
 
 def test_the_threshold_table_cannot_be_changed_at_run_time() -> None:
     with pytest.raises(TypeError):
-        CALIBRATED_THRESHOLDS[(F32, ("torch", "bfloat16"))] = CALIBRATED_THRESHOLDS[(F32, F32)]  # type: ignore[index]
+        CALIBRATED_THRESHOLDS[(F32, ("torch", "bfloat16", "cpu"))] = CALIBRATED_THRESHOLDS[(F32, F32)]  # type: ignore[index]
     with pytest.raises(TypeError):
-        SAMPLING_TOLERANCES[(F32, ("torch", "bfloat16"))] = SAMPLING_TOLERANCES[(F32, F32)]  # type: ignore[index]
+        SAMPLING_TOLERANCES[(F32, ("torch", "bfloat16", "cpu"))] = SAMPLING_TOLERANCES[(F32, F32)]  # type: ignore[index]
     with pytest.raises(TypeError):
         engines._BACKENDS["vllm"] = engines._BACKENDS["torch"]  # type: ignore[index]

@@ -25,7 +25,9 @@ from prime_node.ml.rollout_log import RolloutLog
 from prime_node.ml.sharded_checkpoint import newest_sharded
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 12
+STEPS = 8
+"""The rank is killed once 4 steps are in metrics.jsonl; the rerun then retrains the last and takes the rest
+(the claims hold for any count above the kill point: 8 keeps the runs short)."""
 LOSS_RTOL = 1e-4
 """A step retrained after the resume starts from the same weights and AdamW state on the same batch as
 before the kill, in another pair of processes. Measured here (native kernels and
@@ -49,6 +51,10 @@ def _write_config(path: Path, model_dir: Path, out: Path) -> None:
                 "threads = 1",
                 "learning_rate = 3e-3",
                 "eval_tasks = 0",
+                # Rank 0 generates in a thread, not in a child that loads torch again in both runs (the
+                # child under torchrun is tests/ml/test_local_run.py's 2-rank run-trainer test; a killed
+                # trainer with its child, that file's SIGKILL test).
+                'local_inference = "thread"',
                 "[length_reward]",
                 "coef = 1.0",
                 "target_tokens = 3",

@@ -46,6 +46,11 @@ def _config(out: Path, model: Path, steps: int, **extra: object) -> RunConfig:
             "learning_rate": 3e-3,
             "eval_tasks": 20,
             "length_reward": {"coef": 1.0, "target_tokens": 3},
+            # The inference stage in a thread of this process: no child that loads torch again (several
+            # CPU-seconds each). The child process is checked against the thread in
+            # test_inference_in_a_child_process_gives_the_same_run, and runs in the CLI runs of the SIGKILL
+            # test and of the 2-rank run-trainer test.
+            "local_inference": "thread",
             **extra,
         }
     )
@@ -103,12 +108,15 @@ def test_synchronous_and_async_runs_use_their_own_policy_windows(
 def test_sigkilled_trainer_resumes_and_loses_no_accepted_rollout(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    steps = 40
+    # Killed once checkpoint 8 exists (3 kept: the log has been compacted), so 20 leaves the rerun 12 steps.
+    steps = 20
     reference = tmp_path / "reference"
     run_local(_config(reference, tiny_model_dir, steps), evaluate=False)
     out = tmp_path / "killed"
     toml = tmp_path / "run.toml"
-    _write_toml(toml, _config(out, tiny_model_dir, steps))
+    # As a user runs it: the inference stage in its child process (the reference used a thread; the two
+    # give the same run).
+    _write_toml(toml, _config(out, tiny_model_dir, steps, local_inference="process"))
     command = [sys.executable, "-m", "prime_node", "run-trainer", "--config", str(toml), "--local"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -309,18 +317,32 @@ def test_two_gloo_processes_follow_the_loss_curve_of_one_process(gloo_runs: dict
 def test_run_trainer_with_two_gloo_processes_trains(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The launcher end to end (run-trainer --local --nproc 2: torchrun, dist_entry, rank 0 admitting and
     broadcasting each step, rank 1 following): it finishes, writes the sharded training state and moves
-    the weights. Whether 2 ranks compute the 1-rank gradient and loss curve is the tests above."""
+    the weights. Whether 2 ranks compute the 1-rank gradient and loss curve is the tests above.
+
+    With --dtype bf16: the flag goes through torchrun to each rank's run config (dist_entry would refuse
+    an argument it does not know) and the fp32 master weights train. The same launcher in fp32 (the
+    default on CPU) runs in tests/ml/test_kill_resume.py and tests/ml/test_qwen3_example_run.py; what
+    bf16 compute does to the gradient is tests/ml/test_fsdp.py's."""
     out = tmp_path / "n2"
     toml = tmp_path / "n2.toml"
-    _write_toml(toml, _config(out, tiny_model_dir, 3, prompts_per_step=6))
+    # Rank 0's inference stage in its child process, as a user's run has it.
+    _write_toml(toml, _config(out, tiny_model_dir, 3, prompts_per_step=6, local_inference="process"))
     command = [sys.executable, "-m", "prime_node", "run-trainer", "--config", str(toml), "--local"]
     done = subprocess.run(
-        [*command, "--nproc", "2"], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+        [*command, "--nproc", "2", "--dtype", "bf16"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [s["step"] for s in steps] == [1, 2, 3]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(math.isfinite(m["loss"]) for m in metrics)
     start, final = read_weights(list_checkpoints(out / "checkpoints")[0].path), _final_weights(out)
+    assert all(start[k].dtype == final[k].dtype for k in start)  # fp32 master weights, compared as such
     assert all(torch.isfinite(t).all() for t in final.values())
     assert any(not torch.equal(start[k], final[k]) for k in start)  # training really changed weights
     states = list_sharded(out / "train_state")
@@ -349,7 +371,9 @@ def test_a_code_task_trains_through_the_real_sandbox(tiny_model_dir: Path, tmp_p
 def test_inference_in_a_child_process_gives_the_same_run(tiny_model_dir: Path, tmp_path: Path) -> None:
     """local_inference = "process" moves generation out of the trainer's GIL; batches depend only on
     their policy and seeds, so the run is bit-identical to the threaded one."""
-    threaded = run_local(_config(tmp_path / "thread", tiny_model_dir, 5), evaluate=False)
+    threaded = run_local(
+        _config(tmp_path / "thread", tiny_model_dir, 5, local_inference="thread"), evaluate=False
+    )
     child = run_local(
         _config(tmp_path / "process", tiny_model_dir, 5, local_inference="process"), evaluate=False
     )

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,16 +139,24 @@ async def _attack(workdir: Path, demo: trio.Process, stats: FloodStats, rate_hz:
 
 
 async def _run_demo(
-    workdir: Path, steps: int, attack: bool, timeout_s: float, rate_hz: float
+    workdir: Path,
+    steps: int,
+    attack: bool,
+    timeout_s: float,
+    rate_hz: float,
+    adversary: str,
+    env: Mapping[str, str],
 ) -> tuple[int, str, str, FloodStats]:
     command = [
         *(sys.executable, "-m", "prime_node", "demo", "--steps", str(steps), "--inferers", "1"),
-        *("--validators", "1", "--adversary", "none", "--no-tui", "--json"),
+        *("--validators", "1", "--adversary", adversary, "--no-tui", "--json"),
         *("--workdir", str(workdir), "--timeout", str(timeout_s)),
     ]
     stats = FloodStats()
     async with trio.open_nursery() as nursery:
-        demo = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        demo = await trio.lowlevel.open_process(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env}
+        )
         out, err = bytearray(), bytearray()
 
         async def drain(stream: Any, into: bytearray) -> None:
@@ -166,11 +176,21 @@ async def _run_demo(
 
 
 def run_demo(
-    workdir: Path, *, steps: int, attack: bool, timeout_s: float = 240.0, rate_hz: float = RATE_HZ
+    workdir: Path,
+    *,
+    steps: int,
+    attack: bool,
+    timeout_s: float = 240.0,
+    rate_hz: float = RATE_HZ,
+    adversary: str = "none",
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run the demo (1 inferer, 1 validator, no cheating inferer), flooding it from an extra identity when
-    ``attack``; the summary, the last status of every node and the flood's counts."""
-    code, out, err, stats = trio.run(_run_demo, workdir, steps, attack, timeout_s, rate_hz)
+    """Run the demo (1 inferer, 1 validator, the cheating inferer ``adversary`` or none), flooding it from
+    an extra identity when ``attack``; the summary, the last status of every node and the flood's counts.
+    ``env`` is added to the demo's environment."""
+    code, out, err, stats = trio.run(
+        _run_demo, workdir, steps, attack, timeout_s, rate_hz, adversary, env or {}
+    )
     status: dict[str, Any] = {}
     if (workdir / "status.json").exists():
         status = json.loads((workdir / "status.json").read_text())

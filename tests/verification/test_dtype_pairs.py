@@ -29,8 +29,8 @@ UNCALIBRATED = ("float32", "bfloat16")  # float32 inferers checked by bfloat16 v
 CROSS = ("bfloat16", "float32")
 
 
-def _pair(dtypes: tuple[str, str]) -> tuple[tuple[str, str], tuple[str, str]]:
-    return (("torch", dtypes[0]), ("torch", dtypes[1]))
+def _pair(dtypes: tuple[str, str]) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
+    return (("torch", dtypes[0], "cpu"), ("torch", dtypes[1], "cpu"))
 
 
 def test_the_pairs_under_test_are_what_the_table_says() -> None:
@@ -45,8 +45,9 @@ def test_an_uncalibrated_pair_is_refused_when_the_run_config_loads(tmp_path: Pat
         load_run_config(path)
     assert caught.value.reason == "bad_config"
     message = str(caught.value)
-    assert "float32 checked by validators in bfloat16" in message and "not a calibrated pair" in message
-    assert "bfloat16 → float32" in message  # names what would work
+    assert "float32 on cpu checked by validators in bfloat16 on cpu" in message
+    assert "not a calibrated pair" in message
+    assert "bfloat16 on cpu → float32 on cpu" in message  # names what would work
 
 
 def test_a_validator_of_an_uncalibrated_pair_refuses_to_start() -> None:

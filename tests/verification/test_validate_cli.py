@@ -14,6 +14,7 @@ pytest.importorskip("torch")
 
 from prime_node.ml.model import create_tiny_model, save_model_dir
 from prime_node.testing.adversary import build_scenario
+from tests.cli_in_process import run_cli
 
 CONFIG = """
 run_id = "adversary"
@@ -65,11 +66,22 @@ def test_an_honest_batch_file_is_accepted(files: dict[str, Path]) -> None:
     assert verdict["accepted"] is True and verdict["reasons"] == [] and len(verdict["rewards"]) == 8
 
 
-def test_a_tampered_or_truncated_file_is_a_clear_rejection(files: dict[str, Path]) -> None:
-    tampered = validate(files, "tampered.batch")
+def test_a_tampered_or_truncated_file_is_a_clear_rejection(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In this process (torch is loaded here already): the verdicts are the command's; it runs as a real
+    process in the two other tests."""
+    for name in [k for k in os.environ if k.startswith("PRIME_NODE_")]:
+        monkeypatch.delenv(name)
+
+    def judge(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        options = ("--model", str(files["model"]), "--config", str(files["config"]), *extra)
+        return run_cli(capsys, "validate", str(files["root"] / name), *options)
+
+    tampered = judge("tampered.batch")
     assert tampered.returncode == 2 and "Traceback" not in tampered.stderr
     assert tampered.stdout.startswith("rejected") and "sampling_mismatch" in tampered.stdout
-    cut = validate(files, "cut.batch", "--json")
+    cut = judge("cut.batch", "--json")
     assert cut.returncode == 2 and "Traceback" not in cut.stderr
     assert json.loads(cut.stdout)["reasons"] == ["malformed_envelope"]
 
