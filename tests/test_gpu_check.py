@@ -24,6 +24,7 @@ BOUNDLESS = ("replayed_batch", "stale_policy", "off_schedule", "bad_signature")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # hang guard: the subprocess's own, ~18 × a quiet run
 def test_the_gpu_check_dry_run_reports_every_section(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--dry-run", "--honest-batches", "1",

@@ -146,6 +146,7 @@ def test_one_tier_matches_the_closed_form_when_the_origin_is_the_bottleneck() ->
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # hang guard: ~10 × a quiet run
 def test_a_thousand_peers_complete_and_beat_the_relay_tree() -> None:
     size = 16_000 * MB
     sim = SwarmSimulation(SwarmScenario(peers=1000, size=size, pieces=64, seed=2))

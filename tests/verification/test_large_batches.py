@@ -51,6 +51,7 @@ def _big_frame(scenario: object) -> bytes:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # hang guard: ~10 × a quiet run
 async def test_a_large_batch_is_announced_fetched_verified_accepted_and_trained_on(tmp_path: Path) -> None:
     validator_key, trainer_key = WalletKey.generate(), WalletKey.generate()
     scenario = build_scenario(
