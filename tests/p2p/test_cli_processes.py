@@ -40,8 +40,10 @@ def _join(data_dir: Path, *extra: str) -> subprocess.Popen[str]:
 
 
 def _wait_for_node_file(
-    data_dir: Path, process: subprocess.Popen[str], timeout: float = 30
+    data_dir: Path, process: subprocess.Popen[str], timeout: float = 120
 ) -> dict[str, object]:
+    """The node's node.json once it says running. ``timeout`` only guards a hang: 30 s was not enough for
+    a join to start with three test suites sharing 2 cores (fresh-clone CI under load, issue 31)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         path = data_dir / "node.json"
