@@ -368,8 +368,7 @@ class BatchValidator:
         samples = [batch.samples[n] for n in numbers]
         prompts = [list(s.prompt_tokens()) for s in samples]
         completions = [list(s.completion_tokens()) for s in samples]
-        # The prefill survives running out of GPU memory: halved chunks, never a partial result (a
-        # NodeError out_of_gpu_memory when one sample does not fit: the node's problem, not the worker's).
+        # Out of GPU memory: halved chunks, never a partial result (one sample too big: NodeError).
         prefills, _ = run_in_chunks(
             lambda start, stop: engine.prefill(prompts[start:stop], completions[start:stop]),
             len(prompts),
