@@ -10,10 +10,12 @@ Interface (stable; a vLLM engine for GPU machines would implement the same ``Inf
            their ``logprobs`` (log_softmax(logits / T)[token], float32) and, if asked, ``hidden``:
            float32 [len(tokens), hidden_size], row t = the final hidden state (output of the model's
            last norm, the input of lm_head: ``hidden_states[-1]``) at the position that *predicted*
-           token t, i.e. the activations TOPLOC commits to.
+           token t, i.e. the activations TOPLOC commits to; on the engine's device (the proof takes
+           its top-k there and copies only that).
     engine.prefill(prompts, completions) -> list[Prefill]: one teacher-forced pass over
            prompt + completion returning, for each completion token t, the logits and final hidden
-           state at the position that predicts it (the same rows ``generate`` saw). A validator
+           state at the position that predicts it (the same rows ``generate`` saw; logits on the host,
+           hidden states on the engine's device). A validator
            compares these against the proof and replays the sampling rule on the logits.
     engine.load_weights(state_dict, policy_step); engine.policy_step.
 
@@ -134,8 +136,8 @@ class TorchEngine:
         ids, mask = self._left_pad(prompts)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = [Completion([], [], False, None) for _ in prompts]
-        # Hidden states stay on the device, one [live rows, hidden] block per step, and cross to the host
-        # once at the end: on a GPU a copy per row and token would stall every step.
+        # Hidden states stay on the device, one [live rows, hidden] block per step, and never cross to the
+        # host whole: on a GPU a copy per row and token would stall every step.
         hidden_steps: list[torch.Tensor] = []
         hidden_rows: list[list[int]] = [[] for _ in prompts]  # per prompt: its rows in those blocks
         block_start = 0
@@ -184,10 +186,10 @@ class TorchEngine:
                 ids = chosen.view(-1, 1).to(ids.device)
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 positions = positions[:, -1:] + 1
-        if params.return_hidden:
-            every = torch.cat(hidden_steps).cpu()
+        if params.return_hidden:  # left on the device: the proof copies only its top-k (verification/proofs)
+            every = torch.cat(hidden_steps)
             for index, rows in enumerate(hidden_rows):
-                out[index].hidden = every[torch.as_tensor(rows, dtype=torch.long)]
+                out[index].hidden = every[torch.as_tensor(rows, dtype=torch.long, device=every.device)]
         return out
 
     def prefill(
@@ -205,12 +207,13 @@ class TorchEngine:
         width = ids.shape[1]
         results: list[Prefill] = []
         with torch.inference_mode():
-            hidden = self._decoder(
-                input_ids=ids, attention_mask=mask, position_ids=positions
+            hidden = self._decoder(  # no KV cache: one pass needs none, and it would double the memory
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
             ).last_hidden_state
             for i, completion in enumerate(completions):
                 n = len(completion)
                 start = width - n - 1  # position predicting completion token 0
                 h = hidden[i, start : start + n]
-                results.append(Prefill(logits=self._head(h).float().cpu(), hidden=h.float().cpu()))
+                # The hidden states stay on the device (the proof check copies only its top-k).
+                results.append(Prefill(logits=self._head(h).float().cpu(), hidden=h.float()))
         return results

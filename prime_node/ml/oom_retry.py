@@ -8,7 +8,8 @@ every result or raises: a caller never sees (so never publishes) a partial batch
 do not change in between, so never a mixed one.
 
 ``ChunkedEngine`` wraps an engine with it (``generate`` and ``prefill``) and remembers the chunk that last
-worked, so one OOM costs one retry, not one per batch.
+worked, so one OOM costs one retry, not one per batch. ``prefill_in_chunks`` is the validator's: its
+chunks start at what ``vram_plan.plan_prefill`` says fits in the device's free memory.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from prime_node.errors import NodeError
 if TYPE_CHECKING:
     import torch
 
-    from prime_node.ml.engine import Completion, Prefill, SamplingParams, TorchEngine
+    from prime_node.ml.engine import Completion, InferenceEngine, Prefill, SamplingParams, TorchEngine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,6 +41,52 @@ def free_cuda_cache() -> None:
     torch_module: Any = sys.modules.get("torch")
     if torch_module is not None and torch_module.cuda.is_available():
         torch_module.cuda.empty_cache()
+
+
+def cuda_free_bytes(device: str) -> int:
+    """Free memory on a CUDA device now."""
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
+
+
+def prefill_in_chunks(
+    engine: InferenceEngine,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    free_bytes: Callable[[str], int] | None = None,
+) -> list[Prefill]:
+    """``engine.prefill`` of every sample, in chunks planned to the free memory of the engine's device
+    (``free_bytes``: the CUDA query on a GPU, no plan on the CPU; tests pass synthetic sizes) and halved on
+    OOM; all results in order, or an error, never a part."""
+    from prime_node.ml.vram_plan import GenerationSettings, ModelShape, plan_prefill
+
+    count = len(prompts)
+    if count != len(completions):
+        raise ValueError("one completion per prompt")
+    limit = max(1, count)
+    device = str(getattr(engine, "device", "cpu"))
+    model = getattr(engine, "model", None)
+    if free_bytes is None and device.startswith("cuda"):
+        free_bytes = cuda_free_bytes
+    if free_bytes is not None and count and model is not None:
+        params = sum(int(p.numel()) for p in model.parameters())
+        shape = ModelShape.from_config(model.config.to_dict(), params)
+        settings = GenerationSettings(
+            batch=count,
+            prompt_tokens=max(len(p) for p in prompts),
+            max_new_tokens=max(len(c) for c in completions),
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        )
+        limit = plan_prefill(shape, settings, free_bytes(device))
+    prefills, _ = run_in_chunks(
+        lambda start, stop: engine.prefill(prompts[start:stop], completions[start:stop]),
+        count,
+        max_batch=limit,
+    )
+    return prefills
 
 
 def run_in_chunks(

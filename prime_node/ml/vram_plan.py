@@ -8,7 +8,10 @@ chunks (each sample is seeded on its own, so the samples do not change); when no
 it refuses with the numbers and the fix. The estimate is an upper bound in spirit, not a promise: the
 OOM retry (``prime_node.ml.oom_retry``) covers what it misses.
 
-``doctor`` prints the same plan. No torch here: the model's shape comes from its ``config.json`` and the
+A validator plans its prefills the same way (``plan_prefill``): the samples it re-checks go through one
+forward in chunks sized to the memory left beside the policies it holds.
+
+``doctor`` prints the generation plan. No torch here: the model's shape comes from its ``config.json`` and the
 safetensors headers (parameter counts, without reading the weights).
 """
 
@@ -105,10 +108,12 @@ def activation_bytes(shape: ModelShape, settings: GenerationSettings, batch: int
     """The peak beside the cache: one layer's forward over the prompt (its input, q/k/v/attention output
     and the MLP's two intermediate tensors), the last position's float32 logits in decode, and the seeded
     sampling rule's working set on the device (float64 scores and the int64 hash of every vocabulary
-    entry: ``SAMPLING_BYTES_PER_LOGIT``)."""
+    entry: ``SAMPLING_BYTES_PER_LOGIT``), and the float32 final hidden states of every generated token,
+    which stay on the device for the proof."""
     layer = batch * settings.prompt_tokens * (4 * shape.hidden_size + 2 * shape.intermediate_size)
     per_logit = LOGIT_BYTES + SAMPLING_BYTES_PER_LOGIT
-    return layer * settings.dtype_bytes + batch * shape.vocab * per_logit
+    hidden = batch * settings.max_new_tokens * shape.hidden_size * 4
+    return layer * settings.dtype_bytes + batch * shape.vocab * per_logit + hidden
 
 
 def needed_bytes(shape: ModelShape, settings: GenerationSettings, batch: int) -> int:
@@ -119,6 +124,26 @@ def needed_bytes(shape: ModelShape, settings: GenerationSettings, batch: int) ->
         + activation_bytes(shape, settings, batch)
         + RESERVE_BYTES
     )
+
+
+def prefill_sample_bytes(shape: ModelShape, settings: GenerationSettings) -> int:
+    """One sample's share of a validation prefill over ``settings.tokens`` positions (no KV cache kept):
+    one layer's forward over all of them, the final hidden states in the model's dtype, and its
+    completion rows' hidden states upcast to float32, which stay on the device for the proof check."""
+    layer = settings.tokens * (4 * shape.hidden_size + 2 * shape.intermediate_size) * settings.dtype_bytes
+    final = settings.tokens * shape.hidden_size * settings.dtype_bytes
+    return layer + final + settings.max_new_tokens * shape.hidden_size * 4
+
+
+def plan_prefill(shape: ModelShape, settings: GenerationSettings, available_bytes: int) -> int:
+    """How many of ``settings.batch`` samples one validation prefill takes at once on a device with
+    ``available_bytes`` free beside the already loaded weights: at least 1 (a sample that does not fit is
+    the OOM retry's to report, with its numbers), at most the batch. One sample's completion logits (model
+    dtype and their float32 copy, ``max_new_tokens x vocab``) are live at a time and are set aside first."""
+    logits = settings.max_new_tokens * shape.vocab * (settings.dtype_bytes + LOGIT_BYTES)
+    spare = available_bytes - RESERVE_BYTES - logits
+    per_sample = max(1, prefill_sample_bytes(shape, settings))
+    return max(1, min(settings.batch, spare // per_sample))
 
 
 def _gib(value: int) -> str:

@@ -41,7 +41,7 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
-from prime_node.ml.oom_retry import ChunkedEngine
+from prime_node.ml.oom_retry import ChunkedEngine, cuda_free_bytes
 from prime_node.node.stage_times import StageTimes
 from protocol.errors import ProtocolError
 
@@ -67,14 +67,6 @@ def longest_prompt(task: TaskSource, tokenizer: Any, sample: int = PROMPT_SAMPLE
 
     ids = task.train_ids()[:sample]
     return max((len(encode_prompt(tokenizer, task.prompt(i))) for i in ids), default=1)
-
-
-def cuda_free_bytes(device: str) -> int:
-    """Free memory on a CUDA device now."""
-    import torch
-
-    free, _total = torch.cuda.mem_get_info(torch.device(device))
-    return int(free)
 
 
 class PolicySource(Protocol):

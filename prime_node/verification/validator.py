@@ -360,7 +360,7 @@ class BatchValidator:
         replay and log-prob comparison on all checked tokens at once (one pass each, not one per sample)."""
         import torch
 
-        from prime_node.ml.oom_retry import run_in_chunks
+        from prime_node.ml.oom_retry import prefill_in_chunks
         from prime_node.ml.sampling import replay_margin, token_logprobs
         from prime_node.verification.proofs import check_proofs
 
@@ -368,12 +368,8 @@ class BatchValidator:
         samples = [batch.samples[n] for n in numbers]
         prompts = [list(s.prompt_tokens()) for s in samples]
         completions = [list(s.completion_tokens()) for s in samples]
-        # Out of GPU memory: halved chunks, never a partial result (one sample too big: NodeError).
-        prefills, _ = run_in_chunks(
-            lambda start, stop: engine.prefill(prompts[start:stop], completions[start:stop]),
-            len(prompts),
-            max_batch=max(1, len(prompts)),
-        )
+        # On a GPU: chunks sized to its free memory, halved on OOM, never a partial result.
+        prefills = prefill_in_chunks(engine, prompts, completions)
         try:
             checks = check_proofs([p.hidden for p in prefills], [s.proof for s in samples])
         except CryptoError as exc:  # stage 4 decoded every proof; this would be a bug, not the worker's

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from prime_node.errors import NodeError
 from prime_node.ml.engine import SamplingParams
-from prime_node.ml.oom_retry import ChunkedEngine, is_oom, run_in_chunks
+from prime_node.ml.oom_retry import ChunkedEngine, is_oom, prefill_in_chunks, run_in_chunks
 
 
 def _oom() -> torch.cuda.OutOfMemoryError:
@@ -111,3 +111,44 @@ def test_the_wrapper_is_the_engine_for_everything_else(tiny_model_dir: Path) -> 
     chunked.load_weights(engine.model.state_dict(), 4)
     assert engine.policy_step == chunked.policy_step == 4
     assert chunked.generate([], [], SamplingParams(max_new_tokens=2)) == []
+
+
+def test_a_validation_prefill_is_planned_to_the_free_memory_and_halved_on_oom(tiny_model_dir: Path) -> None:
+    """Synthetic free memory: ~2.5 samples' worth beside the reserve gives chunks of 2; a device that then
+    runs out above 1 sample halves them; the rows are those of one whole prefill either way."""
+    from prime_node.ml.engines import load_engine
+    from prime_node.ml.tokenizer import load_tokenizer
+    from prime_node.ml.vram_plan import RESERVE_BYTES, GenerationSettings, ModelShape, prefill_sample_bytes
+
+    engine = load_engine(tiny_model_dir, load_tokenizer(tiny_model_dir))
+    prompts = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14], [15]]
+    completions = [[20, 21], [22, 23, 24, 25], [26], [27, 28, 29], [30, 31]]
+    whole = engine.prefill(prompts, completions)
+    config = engine.model.config
+    shape = ModelShape.from_config(config.to_dict(), sum(p.numel() for p in engine.model.parameters()))
+    run = GenerationSettings(batch=5, prompt_tokens=4, max_new_tokens=4, dtype="float32")
+    logits = 4 * config.vocab_size * 8
+    free = RESERVE_BYTES + logits + int(2.5 * prefill_sample_bytes(shape, run))
+
+    sizes: list[int] = []
+
+    class Counting:
+        def __init__(self, fits: int) -> None:
+            self.fits, self.model, self.device = fits, engine.model, engine.device
+
+        def prefill(self, p: Sequence[Sequence[int]], c: Sequence[Sequence[int]]) -> Any:
+            sizes.append(len(p))
+            if len(p) > self.fits:
+                raise _oom()
+            return engine.prefill(p, c)
+
+    for fits, expected in ((5, [2, 2, 1]), (1, [2, 1, 1, 1, 1, 1])):
+        sizes.clear()
+        rows = prefill_in_chunks(Counting(fits), prompts, completions, free_bytes=lambda _d: free)  # type: ignore[arg-type]
+        assert sizes == expected
+        for got, want in zip(rows, whole, strict=True):
+            assert torch.allclose(got.logits, want.logits, atol=1e-4)
+            assert torch.allclose(got.hidden, want.hidden, atol=1e-4)
+    sizes.clear()
+    prefill_in_chunks(Counting(5), prompts, completions)  # the CPU: no plan, one pass
+    assert sizes == [5]

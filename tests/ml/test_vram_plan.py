@@ -22,6 +22,8 @@ from prime_node.ml.vram_plan import (
     model_shape,
     needed_bytes,
     plan_generation,
+    plan_prefill,
+    prefill_sample_bytes,
 )
 
 shapes = st.builds(
@@ -56,8 +58,10 @@ def test_the_kv_cache_and_logits_follow_the_formula() -> None:
     run = GenerationSettings(batch=64, prompt_tokens=200, max_new_tokens=312, dtype="bfloat16")
     assert kv_cache_bytes(QWEN_05B, run, 64) == 64 * 512 * 24 * 2 * 64 * 2 * 2
     layer = 64 * 200 * (4 * 896 + 2 * 4864) * 2
-    # float32 logits (4 B) and the device sampling rule's four 8-byte [batch, vocab] tensors (32 B)
-    assert activation_bytes(QWEN_05B, run, 64) == layer + 64 * 151_936 * (4 + 32)
+    # float32 logits (4 B) and the device sampling rule's four 8-byte [batch, vocab] tensors (32 B), and
+    # the float32 hidden states of the generated tokens kept for the proof
+    hidden = 64 * 312 * 896 * 4
+    assert activation_bytes(QWEN_05B, run, 64) == layer + 64 * 151_936 * (4 + 32) + hidden
 
 
 @given(shapes, settings, st.integers(1, 1024))
@@ -89,6 +93,30 @@ def test_a_refusal_names_the_numbers_and_the_fix(shape: ModelShape, run: Generat
     assert caught.value.reason == "vram_too_small"
     assert "cuda:1" in message and "--gpu none" in message
     assert len(re.findall(r"[0-9]+\.[0-9]{2} GiB", message)) >= 4  # free, weights, per sample, needed
+
+
+@given(shapes, settings, st.integers(0, 1 << 44))
+def test_a_validation_prefill_takes_the_largest_chunk_that_fits(
+    shape: ModelShape, run: GenerationSettings, available: int
+) -> None:
+    chunk = plan_prefill(shape, run, available)
+    assert 1 <= chunk <= run.batch  # one sample at least: past that the OOM retry reports the numbers
+    logits = run.max_new_tokens * shape.vocab * (run.dtype_bytes + 4)
+    spare = available - RESERVE_BYTES - logits
+    if chunk > 1:
+        assert chunk * prefill_sample_bytes(shape, run) <= spare
+    if chunk < run.batch:
+        assert (chunk + 1) * prefill_sample_bytes(shape, run) > spare
+
+
+def test_a_prefill_plan_for_a_real_size_batch() -> None:
+    """64 samples of 256 + 1024 tokens of a 0.5B model in bf16: ~32 MiB each beside one sample's 0.87 GiB
+    of logits, so 8 GiB free takes them all at once and 2 GiB free takes them in chunks."""
+    run = GenerationSettings(batch=64, prompt_tokens=256, max_new_tokens=1024, dtype="bfloat16")
+    per_sample = prefill_sample_bytes(QWEN_05B, run)
+    assert per_sample == 1280 * (4 * 896 + 2 * 4864) * 2 + 1280 * 896 * 2 + 1024 * 896 * 4
+    assert plan_prefill(QWEN_05B, run, 8 * GIB) == 64
+    assert 1 < plan_prefill(QWEN_05B, run, 2 * GIB) < 64
 
 
 def test_a_small_gpu_generates_the_run_batch_in_chunks() -> None:

@@ -132,3 +132,40 @@ def test_numpy_bf16_rounding_equals_torch_for_every_non_nan_value() -> None:
     values = words.view(np.float32)
     expected = torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(bf16_round(values), expected)
+
+
+def test_points_chosen_on_the_device_equal_the_numpy_selection() -> None:
+    """``device_points`` (top-k with torch where the hidden states live, GPU hidden states take it) picks
+    exactly the points of the numpy path: float32 with rounding halfway cases and NaN, bfloat16, float16,
+    hidden sizes below and above k per chunk, short last chunks, empty completions. Run here on CPU
+    tensors; the operations are the same on CUDA."""
+    import numpy as np
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from crypto import toploc
+    from prime_node.verification.proofs import _chunk_blocks, device_points
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.integers(0, 2**32 - 1))
+    def compare(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        hidden_size = int(rng.choice([1, 3, 8, 64, 1024]))
+        hiddens = []
+        for _ in range(int(rng.integers(1, 4))):
+            values = rng.standard_normal((int(rng.integers(0, 70)), hidden_size)).astype(np.float32)
+            if rng.integers(0, 2):  # halfway cases of the bf16 rounding, and magnitude ties
+                words = values.view(np.uint32)
+                words[:] = (words & 0xFFFF0000) | rng.choice([0x8000, 0x7FFF, 0x8001, 0], size=words.shape)
+            if values.size and rng.integers(0, 3) == 0:
+                values.reshape(-1)[rng.integers(0, values.size, 3)] = np.nan
+            hiddens.append(torch.from_numpy(values))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            cast = [h.to(dtype) for h in hiddens]
+            expected = toploc.select_points(_chunk_blocks(cast)[0])
+            got = device_points(cast)
+            assert np.array_equal(got.xs, expected.xs)
+            assert np.array_equal(got.ys, expected.ys)
+            assert np.array_equal(got.counts, expected.counts)
+
+    compare()
