@@ -531,8 +531,15 @@ class FrameOpener:
         return check.bulk_digest
 
     def open_wire(self, data: bytes) -> bytes:
-        """One whole frame as received (header ‖ body ‖ tag), checked; the body."""
+        """One whole plain frame as received (header ‖ body ‖ tag), checked; the body. A header with the
+        digested flag fails like a bad tag: a plain frame's tag covers the length without the flag, so the
+        flag would otherwise be the one header bit nothing authenticates."""
         length = self.body_length(data[: FRAME_HEADER.size])
+        if FRAME_HEADER.unpack(data[: FRAME_HEADER.size])[0] & DIGESTED:
+            self.broken = True
+            raise RemoteProtocolError(
+                f"frame {self.counter} carries the digested flag on a plain frame", reason="bad_mac"
+            )
         end = FRAME_HEADER.size + length
         if len(data) != end + TAG_SIZE:
             self.broken = True
