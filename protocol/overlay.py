@@ -41,8 +41,11 @@ def next_beat_at(now: float, interval: float) -> float:
     the grid."""
     if interval <= 0:
         raise LocalProtocolError("the heartbeat interval must be positive", reason="bad_config")
-    due = (math.floor(now / interval) + 1) * interval
-    return due if due > now else due + interval  # ``now`` on a grid point may divide to just under it
+    # Grid points are always ``k * interval`` for an integer k, so two links on the same point compute the
+    # same float (``due + interval`` can differ from ``(k + 1) * interval`` in the last bit).
+    k = math.floor(now / interval) + 1
+    due = k * interval
+    return due if due > now else (k + 1) * interval  # ``now`` on a grid point may divide to just under it
 
 
 class FrameKind(StrEnum):
