@@ -311,7 +311,7 @@ def distances(batch: Any, prefills: Sequence[Any]) -> dict[str, float]:
     """Worst chunk and worst token of a recomputed batch: what each bound of the validator is tested on."""
     import torch
 
-    from prime_node.ml.sampling import replay_margin, token_logprobs
+    from prime_node.ml.engine import prefill_replay
     from prime_node.verification.proofs import check_proofs
 
     samples = list(batch.samples)
@@ -319,18 +319,13 @@ def distances(batch: Any, prefills: Sequence[Any]) -> dict[str, float]:
     checks = [
         c for per in check_proofs([p.hidden for p in prefills], [s.proof for s in samples]) for c in per
     ]
-    logits = torch.cat([p.logits for p in prefills])
-    tokens = [t for c in completions for t in c]
-    seeds = [s.seed for s, c in zip(samples, completions, strict=True) for _ in c]
-    positions = [i for c in completions for i in range(len(c))]
-    margins = replay_margin(logits, seeds, positions, batch.temperature, tokens)
-    own = token_logprobs(logits, torch.as_tensor(tokens), batch.temperature)
+    own, margins = prefill_replay(prefills, completions, batch.temperature, [s.seed for s in samples])
     claimed = torch.tensor([v for s in samples for v in s.completion_logprobs()], dtype=torch.float32)
     return {
         "exp_mismatches": max(c.exp_mismatches for c in checks),
         "mant_err_mean": max(c.mant_err_mean for c in checks),
         "mant_err_median": max(c.mant_err_median for c in checks),
-        "logprob_error": float((own - claimed).abs().max()),
+        "logprob_error": float((own.cpu() - claimed).abs().max()),
         "replay_margin": float(margins.max()),
         "chunks": len(checks),
     }

@@ -13,10 +13,12 @@ Interface (stable; a vLLM engine for GPU machines would implement the same ``Inf
            token t, i.e. the activations TOPLOC commits to; on the engine's device (the proof takes
            its top-k there and copies only that).
     engine.prefill(prompts, completions) -> list[Prefill]: one teacher-forced pass over
-           prompt + completion returning, for each completion token t, the logits and final hidden
-           state at the position that predicts it (the same rows ``generate`` saw; logits on the host,
-           hidden states on the engine's device). A validator
-           compares these against the proof and replays the sampling rule on the logits.
+           prompt + completion returning, for each completion token t, the final hidden state at the
+           position that predicts it (the same rows ``generate`` saw), on the engine's device, and the
+           engine's output head. A validator compares the hidden states against the proof, and
+           ``prefill_replay`` replays the sampling rule and recomputes the log-probs from them a chunk
+           of positions at a time: no [n, vocab] logits are kept (at a 151,936-token vocabulary the
+           float64 scores of a 1,024-token completion alone take 1.2 GB).
     engine.load_weights(state_dict, policy_step); engine.policy_step.
 
 The engine computes in its model's dtype (float32 or bfloat16, chosen by ``prime_node.ml.engines``), but
@@ -64,12 +66,93 @@ class Completion:
     hidden: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class LogitHead:
+    """An engine's output head as the validator applies it to rows of final hidden states: float32
+    logits on the engine's device, computed in the model's dtype from the (exactly) upcast rows. It reads
+    the engine's current weights: use it before the next ``load_weights``."""
+
+    module: Any
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        with torch.inference_mode():
+            dtype = next(self.module.parameters()).dtype
+            return self.module(hidden.to(dtype)).float()  # type: ignore[no-any-return]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.module.weight.shape[0])
+
+
 @dataclass
 class Prefill:
-    """Teacher-forced logits [n, vocab] and final hidden states [n, hidden] for n completion tokens."""
+    """Teacher-forced final hidden states [n, hidden] (float32, on the engine's device) for n completion
+    tokens, and the head that turns them into logits (``prefill_replay``)."""
 
-    logits: torch.Tensor
     hidden: torch.Tensor
+    head: LogitHead
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """The [n, vocab] float32 logits on the host, built on demand for small checks and tests; the
+        validator never asks for them (``prefill_replay`` works a chunk of positions at a time)."""
+        return self.head(self.hidden).cpu()
+
+
+def prefill_replay(
+    prefills: Sequence[Prefill],
+    completions: Sequence[Sequence[int]],
+    temperature: float,
+    seeds: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a validator recomputes per token of ``completions`` (one per prefill and seed, concatenated):
+    the log-prob log_softmax(logits / T)[token] (float32) and the sampling rule's replay margin (float64),
+    both on the engine's device. The logits exist ``replay_chunk_rows`` positions at a time, whatever
+    the batch (``sampling.replay_in_chunks``)."""
+    if len(seeds) != len(completions):
+        raise ValueError("one seed per completion")
+    logp, margins = _replay(prefills, completions, temperature, seeds)
+    assert margins is not None
+    return logp, margins
+
+
+def prefill_logprobs(
+    prefills: Sequence[Prefill], completions: Sequence[Sequence[int]], temperature: float
+) -> torch.Tensor:
+    """``prefill_replay``'s log-probs alone (no seeds, no replay)."""
+    return _replay(prefills, completions, temperature, None)[0]
+
+
+def _replay(
+    prefills: Sequence[Prefill],
+    completions: Sequence[Sequence[int]],
+    temperature: float,
+    seeds: Sequence[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    import torch
+
+    from prime_node.ml.sampling import replay_chunk_rows, replay_in_chunks
+
+    if len(prefills) != len(completions):
+        raise ValueError("one prefill per completion")
+    if not prefills:
+        empty = torch.zeros(0)
+        return empty, None if seeds is None else empty.double()
+    head = prefills[0].head
+    if any(p.head != head for p in prefills):
+        raise ValueError("prefills of different engines")
+    flat_seeds = None if seeds is None else [s for s, c in zip(seeds, completions, strict=True) for _ in c]
+    return replay_in_chunks(
+        head,
+        torch.cat([p.hidden for p in prefills]),
+        [t for c in completions for t in c],
+        temperature,
+        rows=replay_chunk_rows(head.vocab_size),
+        seeds=flat_seeds,
+        positions=None if seeds is None else [i for c in completions for i in range(len(c))],
+    )
 
 
 class InferenceEngine(Protocol):
@@ -86,6 +169,22 @@ class InferenceEngine(Protocol):
     def load_weights(self, state: Mapping[str, torch.Tensor], policy_step: int) -> None: ...
 
 
+def _retire_finished(active: list[int], keep: list[int]) -> tuple[list[int], list[int] | None]:
+    """The batch's rows after a step (row -> prompt index, -1 for a finished row left in place) and the
+    rows to keep when the batch should shrink now (None: it stays as it is).
+
+    Finished rows stay in the batch, their outputs ignored, until fewer than 3/4 of the rows are live:
+    dropping rows copies the whole KV cache, and dropping each sample as it finished cost one copy per
+    sample (a third of a 4,096-sample CPU batch's time); this way the copies add up to a few caches' worth.
+    """
+    if 4 * len(keep) < 3 * len(active):
+        return [active[row] for row in keep], keep
+    if len(keep) < len(active):
+        live = set(keep)
+        return [index if row in live else -1 for row, index in enumerate(active)], None
+    return active, None
+
+
 class TorchEngine:
     """The torch/transformers engine (CPU or CUDA) for any HF causal LM with a decoder + lm_head."""
 
@@ -96,6 +195,7 @@ class TorchEngine:
         self.policy_step = policy_step
         self._decoder = model.get_decoder()
         self._head = model.get_output_embeddings()
+        self._logit_head = LogitHead(self._head)
 
     @property
     def device(self) -> torch.device:
@@ -127,12 +227,10 @@ class TorchEngine:
 
         from prime_node.ml.sampling import choose_tokens, token_logprobs
 
-        if len(prompts) != len(seeds):
-            raise ValueError("one seed per prompt")
+        if len(prompts) != len(seeds) or any(len(p) == 0 for p in prompts):
+            raise ValueError("one seed per prompt, and no empty prompt")
         if not prompts:
             return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
         ids, mask = self._left_pad(prompts)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = [Completion([], [], False, None) for _ in prompts]
@@ -141,7 +239,7 @@ class TorchEngine:
         hidden_steps: list[torch.Tensor] = []
         hidden_rows: list[list[int]] = [[] for _ in prompts]  # per prompt: its rows in those blocks
         block_start = 0
-        active = list(range(len(prompts)))  # row of the live batch -> prompt index
+        active = list(range(len(prompts)))  # row of the batch -> prompt index (-1: finished, still there)
         cache = None
         with torch.inference_mode():
             for t in range(params.max_new_tokens):
@@ -156,7 +254,7 @@ class TorchEngine:
                 hidden = result.last_hidden_state[:, -1]
                 logits = self._head(hidden)
                 chosen = choose_tokens(
-                    logits, [seeds[i] for i in active], [t] * len(active), params.temperature
+                    logits, [seeds[i] if i >= 0 else 0 for i in active], [t] * len(active), params.temperature
                 )
                 logps = token_logprobs(logits, chosen, params.temperature)
                 # The one host synchronisation of a step: the chosen ids (for the stop check) and their
@@ -164,8 +262,10 @@ class TorchEngine:
                 chosen_list, logps_list = torch.stack([chosen.double(), logps.double()]).tolist()
                 if params.return_hidden:
                     hidden_steps.append(hidden.float())
-                keep: list[int] = []
+                keep: list[int] = []  # rows still generating
                 for row, index in enumerate(active):
+                    if index < 0:
+                        continue
                     token = int(chosen_list[row])
                     out[index].tokens.append(token)
                     out[index].logprobs.append(logps_list[row])
@@ -177,12 +277,12 @@ class TorchEngine:
                 block_start += len(active)
                 if not keep or t + 1 == params.max_new_tokens:
                     break
-                if len(keep) < len(active):
-                    select = torch.as_tensor(keep, device=ids.device)
+                active, kept = _retire_finished(active, keep)  # kept: the rows to shrink the batch to
+                if kept is not None:
+                    select = torch.as_tensor(kept, device=ids.device)
                     cache.batch_select_indices(select)
                     mask, positions = mask[select], positions[select]
                     chosen = chosen[select.to(chosen.device)]
-                    active = [active[row] for row in keep]
                 ids = chosen.view(-1, 1).to(ids.device)
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 positions = positions[:, -1:] + 1
@@ -214,6 +314,7 @@ class TorchEngine:
                 n = len(completion)
                 start = width - n - 1  # position predicting completion token 0
                 h = hidden[i, start : start + n]
-                # The hidden states stay on the device (the proof check copies only its top-k).
-                results.append(Prefill(logits=self._head(h).float().cpu(), hidden=h.float()))
+                # The hidden states stay on the device (the proof check copies only its top-k), and no
+                # logits are made here: ``prefill_replay`` computes them a chunk of positions at a time.
+                results.append(Prefill(hidden=h.float(), head=self._logit_head))
         return results

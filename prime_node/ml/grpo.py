@@ -114,8 +114,29 @@ class LossParts:
     """decoupled: share of the batch's tokens whose IS weight hit the cap; masked_is: share masked."""
 
 
+@dataclass
+class TokenStats:
+    """What the loss needs of the policy at each position, [B, T] float32: log_softmax(logits / T) of the
+    target and (when an entropy bonus is asked for) the entropy of that distribution. ``grpo_loss`` takes
+    these instead of logits so the trainer can compute them a chunk of positions at a time
+    (``prime_node.ml.chunked_head``) and never hold [B, T, V]."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+
+def token_stats_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float, entropy: bool
+) -> TokenStats:
+    """``TokenStats`` of full logits [..., V] (the reference the chunked computation is tested against)."""
+    scale = temperature if temperature > 0 else 1.0
+    log_probs = torch.log_softmax(logits.float() / scale, dim=-1)
+    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return TokenStats(logp, -(log_probs.exp() * log_probs).sum(-1) if entropy else None)
+
+
 def grpo_loss(
-    logits: torch.Tensor,
+    logits: torch.Tensor | TokenStats,
     targets: torch.Tensor,
     old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
@@ -136,14 +157,26 @@ def grpo_loss(
     is_mask_high: float = 2.0,
     is_kl_coef: float = 0.0,
 ) -> LossParts:
-    """Loss of one micro-batch. ``logits`` [B, T, V] predict ``targets`` [B, T]; ``mask`` [B, T] marks
-    completion tokens; ``advantages`` [B]; ``old_logp`` [B, T] is the policy the PPO ratio is taken
-    against (recompute: the generating policy; decoupled: pi_prox), None meaning the detached values of
-    this forward (on-policy). ``behaviour_logp`` [B, T] (behaviour, decoupled, masked_is) are the
-    sampler's."""
-    scale = temperature if temperature > 0 else 1.0
-    log_probs = torch.log_softmax(logits.float() / scale, dim=-1)
-    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    """Loss of one micro-batch. ``logits`` [B, T, V] predict ``targets`` [B, T] (or their ``TokenStats``,
+    already computed at ``temperature``); ``mask`` [B, T] marks completion tokens; ``advantages`` [B];
+    ``old_logp`` [B, T] is the policy the PPO ratio is taken against (recompute: the generating policy;
+    decoupled: pi_prox), None meaning the detached values of this forward (on-policy).
+    ``behaviour_logp`` [B, T] (behaviour, decoupled, masked_is) are the sampler's.
+
+    Positions outside ``mask`` are set to 0 in every per-token input first: they never count, and a
+    caller may leave them uncomputed (the chunked head does) without an inf there turning the masked
+    sum into nan."""
+    stats = (
+        logits
+        if isinstance(logits, TokenStats)
+        else token_stats_from_logits(logits, targets, temperature=temperature, entropy=entropy_coef > 0)
+    )
+    keep = mask.to(torch.bool)
+    logp, old_logp, behaviour_logp, ref_logp, entropy = (
+        None if values is None else torch.where(keep, values, torch.zeros_like(values))
+        for values in (stats.logp, old_logp, behaviour_logp, ref_logp, stats.entropy)
+    )
+    assert logp is not None
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype).unsqueeze(-1)
     old = logp.detach() if old_logp is None else old_logp
@@ -184,7 +217,8 @@ def grpo_loss(
         loss = loss + kl_coef * kl_value
     entropy_value = torch.zeros(())
     if entropy_coef > 0:
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        if entropy is None:
+            raise ValueError("an entropy bonus needs the entropies (TokenStats.entropy)")
         entropy_value = (entropy * mask).sum() / normalizer
         loss = loss - entropy_coef * entropy_value
     with torch.no_grad():

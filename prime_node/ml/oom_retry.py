@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prime_node.errors import NodeError
+from prime_node.ml.vram_plan import GenerationSettings, ModelShape, plan_prefill
 
 if TYPE_CHECKING:
     import torch
@@ -61,8 +62,6 @@ def prefill_in_chunks(
     """``engine.prefill`` of every sample, in chunks planned to the free memory of the engine's device
     (``free_bytes``: the CUDA query on a GPU, no plan on the CPU; tests pass synthetic sizes) and halved on
     OOM; all results in order, or an error, never a part."""
-    from prime_node.ml.vram_plan import GenerationSettings, ModelShape, plan_prefill
-
     count = len(prompts)
     if count != len(completions):
         raise ValueError("one completion per prompt")

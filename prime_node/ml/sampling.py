@@ -22,11 +22,16 @@ noise is computed with numpy's wrapping uint64 arithmetic; for logits on a GPU i
 (``gumbel_noise_torch``: the same bits in wrapping int64, so a [batch, vocab] float64 matrix never
 crosses to the host each step). The hash bits agree exactly; the two float64 ``log`` implementations may
 differ in the last bit, far inside the replay tolerance.
+
+A validator never holds the logits of a whole batch: ``replay_in_chunks`` takes the final hidden states
+and the output head and computes the logits, the float64 scores and the per-token values for
+``replay_chunk_rows`` positions at a time (at Qwen3's 151,936-token vocabulary the float64 scores of
+one 1,024-token completion alone take 1.2 GB). Each row's values are those of the whole-matrix calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -39,6 +44,8 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _MASK63 = (1 << 63) - 1
+REPLAY_CHUNK_BYTES = 128 << 20
+"""One chunk's float64 [rows, vocab] scores at most (the noise and its hash temporaries are as big)."""
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -152,3 +159,48 @@ def replay_margin(
     claimed = scores.gather(-1, index).squeeze(-1)
     margin: torch.Tensor = scores.max(dim=-1).values - claimed
     return margin
+
+
+def replay_chunk_rows(vocab_size: int) -> int:
+    """Positions per ``replay_in_chunks`` chunk: a float64 [rows, vocab] fits ``REPLAY_CHUNK_BYTES``."""
+    return max(1, REPLAY_CHUNK_BYTES // (8 * max(1, vocab_size)))
+
+
+def replay_in_chunks(
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    tokens: Sequence[int],
+    temperature: float,
+    *,
+    rows: int,
+    seeds: Sequence[int] | None = None,
+    positions: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_logprobs`` and, given ``seeds`` and ``positions``, ``replay_margin`` of N tokens from their
+    final hidden states ``hidden`` [N, hidden], with ``logits_of`` (the output head: [n, hidden] ->
+    float32 [n, vocab]) applied to ``rows`` positions at a time; both [N], on the device of ``hidden``."""
+    import torch
+
+    count = len(tokens)
+    if (seeds is None) != (positions is None):
+        raise ValueError("seeds and positions go together")
+    if hidden.shape[0] != count or (seeds is not None and not len(seeds) == len(positions or ()) == count):
+        raise ValueError("one hidden state, seed and position per token")
+    ids = torch.as_tensor(list(tokens), dtype=torch.long, device=hidden.device)
+    logps: list[torch.Tensor] = []
+    margins: list[torch.Tensor] = []
+    for start in range(0, count, max(1, rows)):
+        stop = min(count, start + max(1, rows))
+        logits = logits_of(hidden[start:stop])
+        logps.append(token_logprobs(logits, ids[start:stop], temperature))
+        if seeds is not None and positions is not None:
+            margins.append(
+                replay_margin(
+                    logits, seeds[start:stop], positions[start:stop], temperature, tokens[start:stop]
+                ).to(hidden.device)
+            )
+    empty = torch.zeros(0, device=hidden.device)
+    logp = torch.cat(logps) if logps else empty.float()
+    if seeds is None:
+        return logp, None
+    return logp, torch.cat(margins) if margins else empty.double()

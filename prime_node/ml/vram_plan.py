@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from prime_node.errors import NodeError
+from prime_node.ml.sampling import replay_chunk_rows
 
 DTYPE_BYTES: Final = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOGIT_BYTES: Final = 4
@@ -135,13 +136,20 @@ def prefill_sample_bytes(shape: ModelShape, settings: GenerationSettings) -> int
     return layer + final + settings.max_new_tokens * shape.hidden_size * 4
 
 
+def replay_bytes(shape: ModelShape, settings: GenerationSettings) -> int:
+    """The validator's replay of one chunk of positions (``sampling.replay_in_chunks``): the head's logits
+    in the model's dtype and in float32, and the seeded rule's float64 working set, ``replay_chunk_rows``
+    rows of the vocabulary (never more rows than a completion has)."""
+    rows = min(settings.max_new_tokens, replay_chunk_rows(shape.vocab))
+    return rows * shape.vocab * (settings.dtype_bytes + LOGIT_BYTES + SAMPLING_BYTES_PER_LOGIT)
+
+
 def plan_prefill(shape: ModelShape, settings: GenerationSettings, available_bytes: int) -> int:
     """How many of ``settings.batch`` samples one validation prefill takes at once on a device with
     ``available_bytes`` free beside the already loaded weights: at least 1 (a sample that does not fit is
-    the OOM retry's to report, with its numbers), at most the batch. One sample's completion logits (model
-    dtype and their float32 copy, ``max_new_tokens x vocab``) are live at a time and are set aside first."""
-    logits = settings.max_new_tokens * shape.vocab * (settings.dtype_bytes + LOGIT_BYTES)
-    spare = available_bytes - RESERVE_BYTES - logits
+    the OOM retry's to report, with its numbers), at most the batch. The replay after it holds one chunk of
+    positions' logits at a time (``replay_bytes``), which is set aside first."""
+    spare = available_bytes - RESERVE_BYTES - replay_bytes(shape, settings)
     per_sample = max(1, prefill_sample_bytes(shape, settings))
     return max(1, min(settings.batch, spare // per_sample))
 

@@ -74,17 +74,17 @@ def with_completions(
     """``samples`` with their completions replaced by ``completions`` (finished), and the log-probs and
     TOPLOC proofs recomputed on ``engine`` to match: a forgery every check but the replay and the reward
     accepts."""
-    import torch
-
-    from prime_node.ml.sampling import token_logprobs
+    from prime_node.ml.engine import prefill_logprobs
     from prime_node.verification.proofs import build_proofs
 
     prompts = [list(sample.prompt_tokens()) for sample in samples]
     prefills = engine.prefill(prompts, completions)
     proofs = build_proofs([prefill.hidden for prefill in prefills])
+    every = prefill_logprobs(prefills, completions, temperature).cpu().tolist()  # a chunk of logits at a time
+    starts = np.cumsum([0, *(len(c) for c in completions)]).tolist()
     forged = []
-    for sample, tokens, prefill, proof in zip(samples, completions, prefills, proofs, strict=True):
-        logps = token_logprobs(prefill.logits, torch.as_tensor(tokens), temperature).tolist()
+    for index, (sample, tokens, proof) in enumerate(zip(samples, completions, proofs, strict=True)):
+        logps = every[starts[index] : starts[index + 1]]
         forged.append(
             replace(
                 sample,

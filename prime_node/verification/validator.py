@@ -360,8 +360,8 @@ class BatchValidator:
         replay and log-prob comparison on all checked tokens at once (one pass each, not one per sample)."""
         import torch
 
+        from prime_node.ml.engine import prefill_replay
         from prime_node.ml.oom_retry import prefill_in_chunks
-        from prime_node.ml.sampling import replay_margin, token_logprobs
         from prime_node.verification.proofs import check_proofs
 
         numbers = [g * batch.group_size + j for g in groups for j in range(batch.group_size)]
@@ -384,14 +384,10 @@ class BatchValidator:
                 if failure is not None:
                     result.reject(Reason(failure), f"sample {number}: {check}", number)
                     break
-        logits = torch.cat([p.logits for p in prefills])
-        tokens = [t for c in completions for t in c]
-        seeds = [s.seed for s, c in zip(samples, completions, strict=True) for _ in c]
-        positions = [i for c in completions for i in range(len(c))]
-        margins = replay_margin(logits, seeds, positions, batch.temperature, tokens)
-        own = token_logprobs(logits, torch.as_tensor(tokens), batch.temperature)
+        # Per token, from the hidden states a chunk of positions at a time (never [tokens, vocab] logits).
+        own, margins = prefill_replay(prefills, completions, batch.temperature, [s.seed for s in samples])
         claimed = torch.tensor([v for s in samples for v in s.completion_logprobs()], dtype=torch.float32)
-        errors = (own - claimed).abs()
+        errors = (own.cpu() - claimed).abs()
         # Per-sample maxima in two numpy reductions instead of two torch calls per sample (NaN
         # propagates in both, and argmax picks the first maximum in both).
         margin_values = margins.detach().cpu().numpy()

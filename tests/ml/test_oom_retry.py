@@ -118,7 +118,13 @@ def test_a_validation_prefill_is_planned_to_the_free_memory_and_halved_on_oom(ti
     runs out above 1 sample halves them; the rows are those of one whole prefill either way."""
     from prime_node.ml.engines import load_engine
     from prime_node.ml.tokenizer import load_tokenizer
-    from prime_node.ml.vram_plan import RESERVE_BYTES, GenerationSettings, ModelShape, prefill_sample_bytes
+    from prime_node.ml.vram_plan import (
+        RESERVE_BYTES,
+        GenerationSettings,
+        ModelShape,
+        prefill_sample_bytes,
+        replay_bytes,
+    )
 
     engine = load_engine(tiny_model_dir, load_tokenizer(tiny_model_dir))
     prompts = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14], [15]]
@@ -127,8 +133,7 @@ def test_a_validation_prefill_is_planned_to_the_free_memory_and_halved_on_oom(ti
     config = engine.model.config
     shape = ModelShape.from_config(config.to_dict(), sum(p.numel() for p in engine.model.parameters()))
     run = GenerationSettings(batch=5, prompt_tokens=4, max_new_tokens=4, dtype="float32")
-    logits = 4 * config.vocab_size * 8
-    free = RESERVE_BYTES + logits + int(2.5 * prefill_sample_bytes(shape, run))
+    free = RESERVE_BYTES + replay_bytes(shape, run) + int(2.5 * prefill_sample_bytes(shape, run))
 
     sizes: list[int] = []
 

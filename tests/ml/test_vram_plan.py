@@ -24,6 +24,7 @@ from prime_node.ml.vram_plan import (
     plan_generation,
     plan_prefill,
     prefill_sample_bytes,
+    replay_bytes,
 )
 
 shapes = st.builds(
@@ -101,8 +102,7 @@ def test_a_validation_prefill_takes_the_largest_chunk_that_fits(
 ) -> None:
     chunk = plan_prefill(shape, run, available)
     assert 1 <= chunk <= run.batch  # one sample at least: past that the OOM retry reports the numbers
-    logits = run.max_new_tokens * shape.vocab * (run.dtype_bytes + 4)
-    spare = available - RESERVE_BYTES - logits
+    spare = available - RESERVE_BYTES - replay_bytes(shape, run)
     if chunk > 1:
         assert chunk * prefill_sample_bytes(shape, run) <= spare
     if chunk < run.batch:
@@ -110,9 +110,11 @@ def test_a_validation_prefill_takes_the_largest_chunk_that_fits(
 
 
 def test_a_prefill_plan_for_a_real_size_batch() -> None:
-    """64 samples of 256 + 1024 tokens of a 0.5B model in bf16: ~32 MiB each beside one sample's 0.87 GiB
-    of logits, so 8 GiB free takes them all at once and 2 GiB free takes them in chunks."""
+    """64 samples of 256 + 1024 tokens of a 0.5B model in bf16: ~32 MiB each beside the replay's chunk
+    (110 positions of the 151,936-token vocabulary: 0.6 GiB), so 8 GiB free takes them all at once and
+    2 GiB free takes them in chunks."""
     run = GenerationSettings(batch=64, prompt_tokens=256, max_new_tokens=1024, dtype="bfloat16")
+    assert replay_bytes(QWEN_05B, run) == 110 * 151_936 * (2 + 4 + 32)
     per_sample = prefill_sample_bytes(QWEN_05B, run)
     assert per_sample == 1280 * (4 * 896 + 2 * 4864) * 2 + 1280 * 896 * 2 + 1024 * 896 * 4
     assert plan_prefill(QWEN_05B, run, 8 * GIB) == 64
