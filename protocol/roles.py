@@ -73,6 +73,10 @@ class HardwareProfile:
     disk_free_mib: int
     gpu_source: str = "none"
     """Where the GPU list came from: nvml, nvidia-smi, torch, or none."""
+    cpu_decode_s_per_gb: float = 0.0
+    """Measured: seconds one CPU decode step of the run's batch takes per GB of weights on the cores this
+    node gives its role (measured once the run is known); 0 when not measured (the policy estimates it
+    from ``cpu_cores``)."""
 
     @property
     def gpu_count(self) -> int:
@@ -113,6 +117,7 @@ class HardwareProfile:
             "ram_mib": self.ram_mib,
             "disk_free_mib": self.disk_free_mib,
             "bf16": self.bf16,
+            "cpu_decode_s_per_gb": round(self.cpu_decode_s_per_gb, 4),
         }
 
 
@@ -137,13 +142,32 @@ class RunRequirements:
     """The inference engine can shard the model over all of a node's GPUs (else: the largest one)."""
     needs_bf16: bool = False
     """The weights are bf16 and must be computed in bf16 (GPUs older than Ampere cannot)."""
+    validator_dtype_bytes: int = 0
+    """Bytes per weight a validator recomputes in; 0: ``dtype_bytes``."""
+    validator_policies: int = 1
+    """Policies a validator holds loaded at once (a batch is checked against the policy it was made with,
+    and batches of the last async_level + 1 steps are accepted)."""
+    validator_cpu_ok: bool = True
+    """The run lets validators recompute on CPU (a run can admit only GPU validators)."""
 
     def __post_init__(self) -> None:
-        if min(self.param_count, self.dtype_bytes, self.context_tokens, self.concurrent_sequences) < 1:
+        if (
+            min(
+                self.param_count,
+                self.dtype_bytes,
+                self.context_tokens,
+                self.concurrent_sequences,
+                self.validator_policies,
+            )
+            < 1
+        ):
             raise InvariantError(
-                "param_count, dtype_bytes, context_tokens and concurrent_sequences must be >= 1",
+                "param_count, dtype_bytes, context_tokens, concurrent_sequences and validator_policies "
+                "must be >= 1",
                 reason="bad_role_config",
             )
+        if self.validator_dtype_bytes < 0:
+            raise InvariantError("validator_dtype_bytes must be >= 0", reason="bad_role_config")
         if self.kv_bytes_per_token < 0 or not self.min_tokens_per_s >= 0:
             raise InvariantError(
                 "kv_bytes_per_token and min_tokens_per_s must be >= 0", reason="bad_role_config"
@@ -162,6 +186,9 @@ class RunRequirements:
         cpu_ok: bool = False,
         min_tokens_per_s: float = 0.0,
         needs_bf16: bool = False,
+        validator_dtype_bytes: int = 0,
+        validator_policies: int = 1,
+        validator_cpu_ok: bool = True,
     ) -> RunRequirements:
         """From a transformer's shape: ``kv_width`` = key/value heads x head dim."""
         return cls(
@@ -173,11 +200,21 @@ class RunRequirements:
             cpu_ok=cpu_ok,
             min_tokens_per_s=min_tokens_per_s,
             needs_bf16=needs_bf16,
+            validator_dtype_bytes=validator_dtype_bytes,
+            validator_policies=validator_policies,
+            validator_cpu_ok=validator_cpu_ok,
         )
 
     @property
     def weights_mib(self) -> float:
+        """One copy of the weights as an inferer holds them."""
         return self.param_count * self.dtype_bytes / MIB
+
+    @property
+    def validator_weights_mib(self) -> float:
+        """Every policy a validator holds, in its dtype."""
+        per_weight = self.validator_dtype_bytes or self.dtype_bytes
+        return self.validator_policies * self.param_count * per_weight / MIB
 
     @property
     def kv_cache_mib(self) -> float:
@@ -215,7 +252,11 @@ class RolePolicyConfig:
     ram_overhead_mib: int = 512
     """Fixed RAM for the process itself when the model runs on CPU."""
     cpu_bytes_per_s_per_core: float = 2e9
-    """Estimated weight bytes streamed per second per core while decoding (decoding is memory-bound)."""
+    """Estimated weight bytes streamed per second per core while decoding (one sequence is memory-bound)."""
+    cpu_flops_per_core: float = 2e10
+    """Estimated FLOP/s per core of a batched decode's matrix products (a batch is compute-bound). Measured
+    (``hardware.measure_cpu_decode``, batch 64) per core of a busy 2-core EPYC VM: ~9e9 in float32, ~5e9
+    in bfloat16 (no native bf16); the measurement replaces this estimate wherever a node takes one."""
     cpu_validator_max_params: int = 1_500_000_000
     """Validation is one prefill per batch, so CPU validation is fine for models up to this size."""
     backlog_high: int = 8
@@ -243,8 +284,10 @@ class RolePolicyConfig:
             )
         if not (self.min_dwell_s >= 0 and self.vram_margin >= 0 and self.ram_margin >= 0):
             raise InvariantError("min_dwell_s and the margins must be >= 0", reason="bad_role_config")
-        if not self.cpu_bytes_per_s_per_core > 0:
-            raise InvariantError("cpu_bytes_per_s_per_core must be > 0", reason="bad_role_config")
+        if not (self.cpu_bytes_per_s_per_core > 0 and self.cpu_flops_per_core > 0):
+            raise InvariantError(
+                "cpu_bytes_per_s_per_core and cpu_flops_per_core must be > 0", reason="bad_role_config"
+            )
 
     @property
     def pin(self) -> Role | None:
@@ -282,8 +325,10 @@ class Fit:
     on_gpu: bool = field(default=False)
 
 
-def _gpu_fit(profile: HardwareProfile, req: RunRequirements, policy: RolePolicyConfig) -> Fit:
-    needed = (req.weights_mib + req.kv_cache_mib) * (1 + policy.vram_margin) + policy.vram_overhead_mib
+def _gpu_fit(
+    profile: HardwareProfile, req: RunRequirements, policy: RolePolicyConfig, weights_mib: float
+) -> Fit:
+    needed = (weights_mib + req.kv_cache_mib) * (1 + policy.vram_margin) + policy.vram_overhead_mib
     if profile.gpu_count == 0:
         return Fit(False, f"no GPU ({format_mib(needed)} VRAM needed)")
     if req.needs_bf16 and profile.bf16 is False:
@@ -294,42 +339,62 @@ def _gpu_fit(profile: HardwareProfile, req: RunRequirements, policy: RolePolicyC
     return Fit(False, f"{format_mib(usable)} VRAM < {format_mib(needed)} needed")
 
 
-def _ram_fit(profile: HardwareProfile, req: RunRequirements, policy: RolePolicyConfig) -> Fit:
-    needed = (req.weights_mib + req.kv_cache_mib) * (1 + policy.ram_margin) + policy.ram_overhead_mib
+def _ram_fit(
+    profile: HardwareProfile, req: RunRequirements, policy: RolePolicyConfig, weights_mib: float
+) -> Fit:
+    needed = (weights_mib + req.kv_cache_mib) * (1 + policy.ram_margin) + policy.ram_overhead_mib
     if profile.ram_mib >= needed:
         return Fit(True, f"{format_mib(profile.ram_mib)} RAM >= {format_mib(needed)} needed")
     return Fit(False, f"{format_mib(profile.ram_mib)} RAM < {format_mib(needed)} needed")
 
 
 def cpu_tokens_per_s(profile: HardwareProfile, req: RunRequirements, policy: RolePolicyConfig) -> float:
-    """Decode speed of one sequence on CPU: every token streams all weights through the cores once."""
-    return profile.cpu_cores * policy.cpu_bytes_per_s_per_core / (req.param_count * req.dtype_bytes)
+    """Tokens per second a CPU inferer generates over the run's batch (``concurrent_sequences`` decoded
+    together): every decode step streams all weights through the cores once and multiplies them with each
+    sequence's state, so a step takes the longer of the two. A measured step
+    (``profile.cpu_decode_s_per_gb``) replaces the estimate. Python overhead is left out: it only matters
+    for models small enough to be fast anyway."""
+    weight_bytes = req.param_count * req.dtype_bytes
+    if profile.cpu_decode_s_per_gb > 0:
+        step_s = profile.cpu_decode_s_per_gb * weight_bytes / 1e9
+    else:
+        cores = max(1, profile.cpu_cores)
+        stream_s = weight_bytes / (cores * policy.cpu_bytes_per_s_per_core)
+        compute_s = 2 * req.param_count * req.concurrent_sequences / (cores * policy.cpu_flops_per_core)
+        step_s = max(stream_s, compute_s)
+    return req.concurrent_sequences / step_s
 
 
 def inference_fit(profile: HardwareProfile, req: RunRequirements, policy: RolePolicyConfig) -> Fit:
     """Can this node generate rollouts fast enough: on a GPU with room to spare, or on CPU if allowed."""
-    gpu = _gpu_fit(profile, req, policy)
+    gpu = _gpu_fit(profile, req, policy, req.weights_mib)
     if gpu.ok:
         return gpu
     if not req.cpu_ok:
         return Fit(False, f"{gpu.why}; the run does not allow CPU inference")
-    ram = _ram_fit(profile, req, policy)
+    ram = _ram_fit(profile, req, policy, req.weights_mib)
     if not ram.ok:
         return Fit(False, f"{gpu.why}; CPU: {ram.why}")
     speed = cpu_tokens_per_s(profile, req, policy)
     if speed < req.min_tokens_per_s:
-        return Fit(False, f"CPU: ~{speed:.0f} tokens/s < {req.min_tokens_per_s:.0f} needed")
-    return Fit(True, f"CPU: {ram.why}, ~{speed:.0f} tokens/s >= {req.min_tokens_per_s:.0f} needed")
+        return Fit(False, f"CPU: ~{speed:.3g} tokens/s < {req.min_tokens_per_s:.3g} needed")
+    return Fit(True, f"CPU: {ram.why}, ~{speed:.3g} tokens/s >= {req.min_tokens_per_s:.3g} needed")
 
 
 def validation_fit(profile: HardwareProfile, req: RunRequirements, policy: RolePolicyConfig) -> Fit:
-    """Can this node check proofs (one prefill per batch): on a GPU, or on CPU for small models."""
-    gpu = _gpu_fit(profile, req, policy)
+    """Can this node check proofs (one prefill per batch) holding every policy it may need: on a GPU, or
+    on CPU for small models when the run allows it."""
+    weights = req.validator_weights_mib
+    gpu = _gpu_fit(profile, req, policy, weights)
     if gpu.ok:
         return gpu
-    if not (req.cpu_ok or req.param_count <= policy.cpu_validator_max_params):
+    if not req.validator_cpu_ok:
+        return Fit(False, f"{gpu.why}; the run does not allow CPU validation")
+    # A prefill is cheaper than decoding the same tokens: where CPU inference keeps up, so does validation.
+    keeps_up = req.cpu_ok and cpu_tokens_per_s(profile, req, policy) >= req.min_tokens_per_s
+    if not (keeps_up or req.param_count <= policy.cpu_validator_max_params):
         return Fit(False, f"{gpu.why}; too large to validate on CPU")
-    ram = _ram_fit(profile, req, policy)
+    ram = _ram_fit(profile, req, policy, weights)
     return Fit(ram.ok, f"CPU: {ram.why}" if ram.ok else f"{gpu.why}; CPU: {ram.why}")
 
 

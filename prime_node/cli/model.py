@@ -1,9 +1,15 @@
 """``prime-node init-model`` (create a model directory: the demo's tiny character model or a named
-architecture and size) and ``prime-node filter-tasks``."""
+architecture and size) and ``prime-node filter-tasks``.
+
+``--size`` help lists the sizes by hand (importing prime_node.ml would slow every ``--help``): a test
+checks it names every shape in ``prime_node.ml.architectures.SHAPES``.
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -36,8 +42,30 @@ def init_model(
         ),
     ] = None,
     size: Annotated[
-        str, typer.Option("--size", help="With --arch: tiny (~0.26M parameters) or small (~16M).")
+        str,
+        typer.Option(
+            "--size",
+            help="With --arch: tiny (~0.26M parameters), small (~16M) or 0.6b (Qwen3-0.6B's shape: 596M "
+            "at its 151,936-token vocabulary, 445M at --vocab 4096; written in bf16).",
+        ),
     ] = "tiny",
+    vocab: Annotated[
+        int | None,
+        typer.Option(
+            "--vocab",
+            help="With --arch: vocabulary size, 259 to 151936 (default: the size's). The BPE is trained on "
+            "the packaged corpus up to it (5,679 tokens at most) and filled with reserved ids, so the "
+            "model's embedding and the tokenizer have exactly this many ids.",
+        ),
+    ] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype",
+            help="With --arch: dtype of the written weights, bf16 or fp32; auto: the size's (bf16 for "
+            "0.6b, as Qwen3 ships; fp32 for tiny and small).",
+        ),
+    ] = "auto",
     task: Annotated[
         str, typer.Option("--task", help="Task of the supervised warm-up: arithmetic.")
     ] = "arithmetic",
@@ -60,7 +88,7 @@ def init_model(
     up on the task unless told not to; with --arch a named architecture and size."""
     if tiny == (arch is not None):
         raise NodeError(
-            "pass either --tiny or --arch qwen3 --size tiny|small; or point the run config at any HF "
+            "pass either --tiny or --arch qwen3 --size tiny|small|0.6b; or point the run config at any HF "
             "model directory",
             reason="bad_flag",
         )
@@ -69,8 +97,13 @@ def init_model(
     if arch is not None:
         if from_package:
             raise NodeError("--from-package is the demo's --tiny model, not an --arch", reason="bad_flag")
-        _init_named_model(arch, size, seed, out_dir, as_json)
+        _init_named_model(arch, size, seed, out_dir, as_json, vocab=vocab, dtype=dtype)
         return
+    if vocab is not None or dtype != "auto":
+        raise NodeError(
+            "--vocab and --dtype size an --arch model; the --tiny model has its fixed character vocabulary",
+            reason="bad_flag",
+        )
     if task != "arithmetic" and not no_warmup:
         raise NodeError(
             f"no supervised warm-up for task {task!r}: only arithmetic has one (use --no-warmup)",
@@ -102,12 +135,23 @@ def init_model(
     _echo_summary(summary, as_json)
 
 
-def _init_named_model(arch: str, size: str, seed: int, out_dir: Path, as_json: bool) -> None:
-    from prime_node.ml.architectures import create_model, model_shape
+DISK_SLACK_BYTES = 64 << 20
+"""Beyond the weights: tokenizer, configs, and the filesystem's rounding."""
+
+
+def _init_named_model(
+    arch: str, size: str, seed: int, out_dir: Path, as_json: bool, *, vocab: int | None, dtype: str
+) -> None:
+    from prime_node.ml.architectures import checked_dtype, checked_vocab, create_model, model_shape
+    from prime_node.ml.bpe_tokenizer import learned_size
     from prime_node.ml.model import parameter_count, save_model_dir
 
-    model_shape(arch, size)  # a clear error before anything is built
-    model, tokenizer = create_model(arch, size, seed)
+    shape = model_shape(arch, size)  # clear errors before anything is built
+    vocab_size, weights_dtype = checked_vocab(shape, vocab), checked_dtype(shape, dtype)
+    weight_bytes = shape.parameters(vocab_size) * (2 if weights_dtype == "bfloat16" else 4)
+    _check_disk(out_dir, weight_bytes + DISK_SLACK_BYTES)
+    started = time.monotonic()
+    model, tokenizer = create_model(arch, size, seed, vocab_size=vocab_size, dtype=weights_dtype)
     save_model_dir(model, tokenizer, out_dir)
     summary = {
         "model_dir": str(out_dir),
@@ -115,9 +159,30 @@ def _init_named_model(arch: str, size: str, seed: int, out_dir: Path, as_json: b
         "size": size,
         "parameters": parameter_count(model),
         "vocab_size": len(tokenizer),
+        "learned_tokens": learned_size(tokenizer),
         "tied_head": bool(model.config.tie_word_embeddings),
+        "dtype": weights_dtype,
+        "bytes_written": sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file()),
+        "seconds": round(time.monotonic() - started, 1),
     }
     _echo_summary(summary, as_json)
+
+
+def _check_disk(out_dir: Path, needed: int) -> None:
+    """NodeError ``disk_full`` before a minute of initialising, not an OSError half-way through writing."""
+    existing = out_dir.resolve()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return  # cannot tell: let the write say
+    if free < needed:
+        raise NodeError(
+            f"{out_dir}: {needed / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free on its disk; free space, "
+            "write elsewhere, or pass --dtype bf16 / a smaller --vocab",
+            reason="disk_full",
+        )
 
 
 def _echo_summary(summary: dict[str, object], as_json: bool) -> None:

@@ -37,6 +37,16 @@ def join(
     gpu: Annotated[
         str, typer.Option("--gpu", help="GPUs this node may use: auto, none, or indices such as 0,1.")
     ] = "auto",
+    threads: Annotated[
+        int,
+        typer.Option(
+            "--threads",
+            min=0,
+            max=1024,
+            help="Torch threads (and the cores offered) for this node's role; 0: every core this process "
+            "may use, or OMP_NUM_THREADS when set.",
+        ),
+    ] = 0,
     trainer: TrainerOption = None,
     adversary: Annotated[
         str | None, typer.Option("--adversary", hidden=True, help="Demo/tests: cheat as this attack kind.")
@@ -83,7 +93,7 @@ def join(
         swarm=swarm,
         data_dir=directory,
         gpus=gpus,
-        settings=RoleSettings(pinned=role, trainer=pinned, adversary=adversary),
+        settings=RoleSettings(pinned=role, trainer=pinned, adversary=adversary, threads=threads),
         notify=lambda line: typer.echo(line, err=True),
     )
     run_node_until_signal(config, key, echo=typer.echo, services=[swarm, runner])

@@ -120,7 +120,6 @@ def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int, 
     """The networked trainer node (prime_node/roles/trainer_node.py); with ``nproc`` > 1 its rank 0,
     under torchrun (prime_node/roles/trainer_ranks.py). Everything that can fail is checked first."""
     from prime_node.cli.network_options import dataplane_host_for
-    from prime_node.ml.distributed import init_from_env
     from prime_node.roles.trainer_node import build_trainer_node, run_trainer_node, step_line
 
     node_config = flags.config(run.run_id)
@@ -135,6 +134,11 @@ def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int, 
             reason=exc.reason,
         ) from None
     dataplane_host = dataplane_host_for(node_config.listen)
+    dist = None  # under torchrun each rank sets up its own; the launcher needs no torch (3 s to import)
+    if nproc == 1:
+        from prime_node.ml.distributed import init_from_env
+
+        dist = init_from_env(gpus)
     parts = build_trainer_node(  # every check of the one-process node, before anything starts
         node_config,
         run,
@@ -142,7 +146,7 @@ def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int, 
         dataplane_host=dataplane_host,
         dataplane_port=flags.dataplane_port,
         on_step=lambda metrics: typer.echo(step_line(metrics)),
-        dist=None if nproc > 1 else init_from_env(gpus),  # one process: just its device
+        dist=dist,  # one process: just its device
     )
     if nproc > 1:
         from prime_node.roles.trainer_ranks import LaunchSpec, launch_networked

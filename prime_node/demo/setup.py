@@ -224,6 +224,8 @@ def joiner_command(plan: DemoPlan, node: NodeSpec, bootstrap: str) -> list[str]:
         role,
         "--trainer",
         plan.trainer.address,
+        "--threads",
+        "1",  # every demo process shares the machine's cores (the run config gives the trainer 1 too)
     ]
     if node.adversary is not None:
         command += ["--adversary", node.adversary]

@@ -8,10 +8,18 @@ written against a hub Qwen checkpoint works on ours unchanged.
 
 Training is deterministic: the corpus files are read in sorted order and the ``tokenizers`` BPE trainer
 breaks ties by a fixed order, so one vocabulary size gives one vocabulary.
+
+A vocabulary larger than the corpus supports (the packaged corpus yields 5,679 tokens: merges of pairs
+seen at least twice) is filled up with reserved ids, ``<|reserved_N|>`` for id N: BPE vocabulary entries
+that no merge produces, so no text ever encodes to them, and that decode to nothing. So a tokenizer always
+has exactly the ids its model's embedding has (Qwen3's 151,936 rows included): validators and the trainer
+refuse any completion token at or past ``len(tokenizer)``, and a freshly initialised model samples every
+row of its head.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +46,11 @@ CHAT_TEMPLATE = (
 ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; the generation prompt opens an assistant turn."""
 
 MIN_VOCAB = len(SPECIAL_TOKENS) + 256
+MAX_VOCAB = 151_936
+"""Qwen3's vocabulary: the embedding rows of every Qwen3 checkpoint, and the largest we make."""
+RESERVED = "<|reserved_{}|>"
+RESERVED_PATTERN = r"^<\|reserved_[0-9]+\|>$"
+"""A whole token that is a reserved id (the decoder drops it)."""
 
 
 def corpus_dir() -> Path:
@@ -61,11 +74,13 @@ def _lines(files: list[Path]) -> Iterator[str]:
 
 
 def train_bpe_tokenizer(vocab_size: int, corpus: list[Path] | None = None) -> Any:
-    """A ``PreTrainedTokenizerFast`` with a byte-level BPE of ``vocab_size`` tokens (specials included)
-    trained on ``corpus`` (default: the packaged corpus), Qwen's specials and the ChatML template."""
-    if vocab_size < MIN_VOCAB:
+    """A ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` ids: a byte-level BPE (specials included)
+    trained on ``corpus`` (default: the packaged corpus) up to that size, reserved ids for the rest (see
+    the module doc), Qwen's specials and the ChatML template."""
+    if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
         raise NodeError(
-            f"vocab_size {vocab_size} is below {MIN_VOCAB} (256 bytes + specials)", reason="bad_flag"
+            f"vocab_size {vocab_size}: choose {MIN_VOCAB} (256 bytes + specials) to {MAX_VOCAB} (Qwen3's)",
+            reason="bad_flag",
         )
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -86,7 +101,34 @@ def train_bpe_tokenizer(vocab_size: int, corpus: list[Path] | None = None) -> An
         show_progress=False,
     )
     core.train_from_iterator(_lines(corpus or corpus_files()), trainer=trainer)
-    return wrap_tokenizer(core)
+    return wrap_tokenizer(reserve_ids(core, vocab_size))
+
+
+def reserve_ids(core: Any, vocab_size: int) -> Any:
+    """``core`` (a trained ``tokenizers.Tokenizer``) with reserved ids appended up to ``vocab_size``: BPE
+    vocabulary entries without a merge that makes them, and a decoder step that drops them."""
+    learned = core.get_vocab_size(with_added_tokens=True)
+    if learned >= vocab_size:
+        return core
+    from tokenizers import Tokenizer
+
+    state = json.loads(core.to_str())
+    vocab = state["model"]["vocab"]
+    if len(vocab) != learned:  # the trainer keeps the specials in the model's vocabulary too
+        raise NodeError(
+            f"trained vocabulary has {len(vocab)} entries, the tokenizer {learned} ids",
+            reason="bad_model_dir",
+        )
+    vocab.update({RESERVED.format(index): index for index in range(learned, vocab_size)})
+    drop = {"type": "Replace", "pattern": {"Regex": RESERVED_PATTERN}, "content": ""}
+    state["decoder"] = {"type": "Sequence", "decoders": [drop, state["decoder"]]}
+    return Tokenizer.from_str(json.dumps(state))
+
+
+def learned_size(tokenizer: Any) -> int:
+    """Ids of ``tokenizer`` that text can encode to: all but the reserved ones."""
+    reserved = RESERVED.format(0)[: RESERVED.index("{")]
+    return sum(1 for token in tokenizer.get_vocab() if not token.startswith(reserved))
 
 
 def wrap_tokenizer(core: Any) -> Any:

@@ -1,7 +1,7 @@
 """The inferer as a node service: newest policy in, proven and signed rollout batches out (DESIGN §1).
 
 It waits for the first complete checkpoint in the weight swarm, loads it into an engine
-(``ml.engines.load_engine``; one torch thread: the node shares its cores with others) on the device the
+(``ml.engines.load_engine``; with the torch threads the node gives its role: ``--threads``) on the device the
 role runner chose (``hardware.select_device``), then loops:
 before each batch it switches to the newest complete policy the swarm holds, generates the scheduled
 batch for (its address, policy step, batch counter) with TOPLOC proofs in a worker thread, and gossips
@@ -41,6 +41,7 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
+from prime_node.hardware import role_threads
 from prime_node.ml.oom_retry import ChunkedEngine, cuda_free_bytes
 from prime_node.node.stage_times import StageTimes
 from protocol.errors import ProtocolError
@@ -373,7 +374,7 @@ class InfererService:
         from prime_node.ml.tokenizer import load_tokenizer
         from prime_node.tasks.factory import build_task
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(role_threads())  # the cores the node gives its role (--threads)
         self._tokenizer = load_tokenizer(path)
         self._task = build_task(self.config.task)
         config = self.config
@@ -417,7 +418,7 @@ class InfererService:
     def _make_frames(self, counter: int, now_ms: int) -> list[bytes]:
         import torch
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(role_threads())  # the cores the node gives its role (--threads)
         assert self.policy_step is not None
         return self.producer.frames(
             engine=self._engine,

@@ -3,11 +3,19 @@
 Order of events: the pinned trainer's run announcement is believed (``RunFollower``), which gives the
 run config and tells the weight swarm whose manifests to follow (without a pin nothing is believed and
 the node takes no role: it only lists who announces the run, issue 13); the first
-checkpoint arrives (its size gives the model's parameter count); from then on every ``interval``
+checkpoint arrives (its config.json and safetensors headers give the model's shape and parameter count:
+``requirements_for``); from then on every ``interval``
 seconds the pure policy ``protocol.roles.choose_role`` (with its hysteresis) looks at the hardware
 profile, the run's requirements and the swarm's demand, and the runner starts the chosen role's
 service in its own cancel scope, cancelling the previous one. A seeder runs nothing extra: the weight
 swarm already re-serves every piece this node holds.
+
+CPU roles: the role computes with the torch threads the node is given (``--threads``, by default every
+core: ``hardware.role_threads``), and the profile offers that many cores. Where the run lets inferers
+use the CPU (its ``inferer_devices``) and the node has no GPU, the runner measures how fast those threads
+decode in the run's dtype and batch (``hardware.measure_cpu_decode``, well under a second) before the
+first decision, and the policy makes it an inferer only when that rate generates a batch in time
+(``needed_tokens_per_s``) and the weights fit in RAM.
 
 Demand (advisory; it only steers roles, never admission): live inferers and validators from peer
 records' ``role``; the backlog is the number of rollout batches gossiped in the last minute that no
@@ -50,7 +58,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 BACKLOG_WINDOW_S = 60.0
 MAX_TRACKED = 4096
-CPU_OK_MAX_PARAMS = 50_000_000
+PROMPT_TOKENS_ESTIMATE = 64
+"""Prompt tokens assumed per sequence when sizing the KV cache before any task is built."""
+CPU_STEP_BUDGET_S = 60.0
+"""A policy step of a run small enough for CPU inferers takes about this long at most (the 0.44B model's
+networked step on 2 cores: 24-30 s). A batch is still trained on while its policy is at most
+``async_level`` steps old, so a CPU inferer is useful when it generates a batch within
+``async_level + 1`` such steps."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 class BacklogMeter:
@@ -80,12 +95,16 @@ class BacklogMeter:
         return len(self._pending)
 
 
-def preload() -> None:
+def preload(threads: int = 0) -> None:
     """Import torch, transformers and the role modules while the node is still joining (measured: 10-30 s
     of a CPU-starved joiner's start-up went to these imports after the first checkpoint had arrived).
     Role services start only after it returns: two threads importing from transformers at once can fail
-    (its lazy module is not thread-safe)."""
-    import torch  # noqa: F401
+    (its lazy module is not thread-safe). ``threads`` (when > 0) becomes torch's process-wide default,
+    which every worker thread that has not set its own starts with (the validator's among them)."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM  # noqa: F401
 
     import prime_node.ml.engine
@@ -94,27 +113,58 @@ def preload() -> None:
     import prime_node.verification.validator  # noqa: F401
 
 
-async def _preload_in_thread(done: trio.Event | None = None) -> None:
+async def _preload_in_thread(done: trio.Event | None = None, threads: int = 0) -> None:
     try:
-        await trio.to_thread.run_sync(preload, abandon_on_cancel=True)  # type: ignore[call-arg, unused-ignore]
+        await trio.to_thread.run_sync(preload, threads, abandon_on_cancel=True)  # type: ignore[call-arg, unused-ignore]
     finally:
         if done is not None:
             done.set()
 
 
+def needed_tokens_per_s(config: RunConfig) -> float:
+    """The slowest useful CPU inferer of the run: one batch (``samples_per_step`` x ``max_new_tokens``
+    generated tokens) within ``async_level + 1`` policy steps of ``CPU_STEP_BUDGET_S``."""
+    tokens = config.samples_per_step * config.max_new_tokens
+    return tokens / (CPU_STEP_BUDGET_S * (config.async_level + 1))
+
+
 def requirements_for(config: RunConfig, checkpoint: Path) -> RunRequirements:
-    """What the run's model needs, from its config and the size of its safetensors (fp32 here)."""
+    """What the run's model needs: its parameter count and shape from the checkpoint's config.json and
+    safetensors headers (whatever dtype the file holds: no weight is read), memory in the dtype each role
+    computes in (inferers ``inference_dtype``; validators ``validator_dtype``, one copy per policy they
+    keep), and whether the run lets them compute on the CPU (``inferer_devices``,
+    ``validator_devices``). NodeError ``bad_model_dir`` for an unreadable config or header."""
+    from prime_node.ml.vram_plan import model_shape
     from protocol.roles import RunRequirements
 
-    size = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
-    params = max(1, size // 4)
-    return RunRequirements(
-        param_count=params,
-        dtype_bytes=4,
-        context_tokens=64 + config.max_new_tokens,
+    shape = model_shape(checkpoint)
+    if shape.params < 1:
+        raise NodeError(f"{checkpoint} holds no weights (empty safetensors headers)", reason="bad_model_dir")
+    return RunRequirements.for_model(
+        param_count=shape.params,
+        dtype_bytes=DTYPE_BYTES[config.inference_dtype],
+        num_layers=max(1, shape.layers),
+        kv_width=max(0, shape.kv_heads * shape.head_dim),
+        context_tokens=PROMPT_TOKENS_ESTIMATE + config.max_new_tokens,
         concurrent_sequences=config.samples_per_step,
-        cpu_ok=params <= CPU_OK_MAX_PARAMS,
+        cpu_ok="cpu" in config.inferer_devices,
+        min_tokens_per_s=needed_tokens_per_s(config),
+        validator_dtype_bytes=DTYPE_BYTES[config.validator_dtype],
+        validator_policies=config.async_level + 1,
+        validator_cpu_ok="cpu" in config.validator_devices,
     )
+
+
+def measured_profile(profile: HardwareProfile, config: RunConfig, threads: int) -> HardwareProfile:
+    """``profile`` with the CPU decode rate of ``threads`` in the run's dtype and batch measured, where
+    the role could infer on the CPU (the run allows it, the node has no GPU); otherwise as it is."""
+    from prime_node.hardware import measure_cpu_decode
+
+    if profile.gpus or "cpu" not in config.inferer_devices:
+        return profile
+    seconds = measure_cpu_decode(config.inference_dtype, config.samples_per_step, threads)
+    log.info("CPU decode on %d thread(s): %.3f s per GB of weights per step", threads, seconds)
+    return dataclasses.replace(profile, cpu_decode_s_per_gb=seconds)
 
 
 @dataclass(frozen=True)
@@ -132,6 +182,9 @@ class RoleSettings:
     """Seconds between role decisions."""
     min_dwell_s: float = 60.0
     """A role is kept at least this long before the policy may switch away."""
+    threads: int = 0
+    """``--threads``: torch threads of the role's model work, and the cores the node offers; 0: every core
+    this process may use (``hardware.default_threads``)."""
 
 
 class RoleRunner:
@@ -157,6 +210,7 @@ class RoleRunner:
         self.adversary = settings.adversary
         self.interval = settings.interval
         self.min_dwell_s = settings.min_dwell_s
+        self.threads = settings.threads
         self.follower = RunFollower(run_id, pinned=settings.trainer, notify=notify)
         self.meter = BacklogMeter()
         self.config: RunConfig | None = None
@@ -184,6 +238,7 @@ class RoleRunner:
             "reason": self.reason if pinned is not None else self.follower.refusal(),
             "since_s": round(now - self.state.since, 1) if self.state is not None else 0.0,
             "profile": self.profile.describe() if self.profile is not None else {},
+            "threads": self.threads,
             "device": self.device,
             "trainer": str(pinned) if pinned is not None else None,
             "announcements": self.follower.status_rows(self._wall_ms()),
@@ -195,8 +250,9 @@ class RoleRunner:
         return self._advertised or RecordPart()
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        from prime_node.hardware import probe, to_summary
+        from prime_node.hardware import probe, set_role_threads, to_summary
 
+        self.threads = set_role_threads(self.threads)
         self._wall_ms = context.clock.wall_ms
         context.add_status_section("role", self.status)
         context.add_record_source(self.record_part)
@@ -205,8 +261,9 @@ class RoleRunner:
             task_status.started()
             preloaded = trio.Event()  # transformers' lazy imports race across threads (E2: demo crashes)
             if self.follower.trust.pinned is not None:  # unpinned: no role ever, no torch needed
-                nursery.start_soon(_preload_in_thread, preloaded)
-            self.profile = await trio.to_thread.run_sync(probe, self.gpus, self.data_dir)
+                nursery.start_soon(_preload_in_thread, preloaded, self.threads)
+            probed = await trio.to_thread.run_sync(probe, self.gpus, self.data_dir)
+            self.profile = dataclasses.replace(probed, cpu_cores=min(probed.cpu_cores, self.threads))
             self._advertised = RecordPart(hardware=to_summary(self.profile))
             announcement = await self.follower.wait()
             self.config = config = await trio.to_thread.run_sync(
@@ -224,6 +281,10 @@ class RoleRunner:
             _, path = await self.swarm.wait_newer(None)
             requirements = requirements_for(config, path)
             await preloaded.wait()  # before any role thread imports transformers itself
+            if self.pinned is None:  # the rate only steers the policy: a pinned role needs none
+                self.profile = await trio.to_thread.run_sync(
+                    measured_profile, self.profile, config, self.threads
+                )
             while True:
                 decision = self._decide(context, requirements)
                 self.reason = decision.reason

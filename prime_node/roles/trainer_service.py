@@ -10,7 +10,8 @@ drives too (``prime_node.ml.session``:
 resume, the fsynced rollout log before the step, checkpoints, evaluation), then writes the new policy
 as a Hugging Face directory and shares it. Held-out greedy accuracy is measured on the session's
 separate engine every ``eval_every`` steps without stopping the loop. Model work runs in worker
-threads (one at a time for the training model, one torch thread each) so the node keeps serving
+threads (one at a time for the training model, with the run's ``threads`` or every core this process may
+use: ``trainer_threads``; the evaluation beside it on one) so the node keeps serving
 pieces and gossip; under torchrun (``TrainerOptions.dist``) this is rank 0, and the step's collectives
 with the other ranks happen in the same worker thread as the step.
 
@@ -32,6 +33,7 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
+from prime_node.hardware import default_threads
 from prime_node.node.stage_times import StageTimes
 from prime_node.roles.gather import STALE_IN_QUEUE, Candidate, StepGatherer
 from prime_node.roles.publish_stats import PublishStats
@@ -124,6 +126,12 @@ class TrainerOptions:
     dist: DistInfo | None = None
     """Rank 0 of a torchrun group (``roles/trainer_ranks.py``): each step's batch reaches the other
     ranks inside ``session.train``, and ``close`` stops them. None: one process."""
+
+
+def trainer_threads(config: RunConfig) -> int:
+    """Torch threads of the training worker: the run config's ``threads``, else the cores this process may
+    use (``OMP_NUM_THREADS`` where torchrun or the demo set it: one per rank/process)."""
+    return config.threads or default_threads()
 
 
 class TrainerService:
@@ -247,7 +255,7 @@ class TrainerService:
 
         from prime_node.ml.session import TrainingSession
 
-        torch.set_num_threads(1)  # per OS thread: every worker thread that runs model code sets it
+        torch.set_num_threads(trainer_threads(self.config))  # per OS thread: each worker thread sets it
         assert self.base is not None
         return TrainingSession(self.config, base=self.base, dist=self.dist)
 
@@ -347,7 +355,7 @@ class TrainerService:
     def _train(self, queued: list[_Queued]) -> StepMetrics:
         import torch
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(trainer_threads(self.config))
         assert self.session is not None
         return self.session.train([item.prepared for item in queued], [item.frame for item in queued])
 
@@ -455,7 +463,7 @@ class TrainerService:
     def _evaluate(self, weights: Weights) -> float:
         import torch
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(1)  # runs beside training: a second full pool would steal its cores
         assert self.session is not None
         return self.session.evaluate(weights)
 

@@ -79,6 +79,7 @@ def test_the_commands_use_the_planned_wallets_loopback_and_the_pinned_trainer(tm
         expected_role = "inferer" if node.role == "adversary" else node.role
         assert command[command.index("--role") + 1] == expected_role
         assert ("--adversary" in command) == (node.role == "adversary")
+        assert command[command.index("--threads") + 1] == "1"  # the demo's processes share its cores
 
 
 _scalars = st.one_of(

@@ -67,7 +67,7 @@ def test_unknown_names_are_node_errors() -> None:
         with pytest.raises(NodeError) as caught:
             model_shape(arch, size)
         assert caught.value.reason == "bad_flag" and "qwen3/small" in str(caught.value)
-    assert set(SHAPES) == {("qwen3", "tiny"), ("qwen3", "small")}
+    assert set(SHAPES) == {("qwen3", "tiny"), ("qwen3", "small"), ("qwen3", "0.6b")}
 
 
 def test_auto_classes_load_it_and_chat_then_generate_work(qwen3_tiny_dir: Path) -> None:
