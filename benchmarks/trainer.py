@@ -1,20 +1,28 @@
-"""FSDP2 trainer throughput and memory per rank: 1 and 2 gloo ranks on the `small` Qwen3-shaped model.
+"""FSDP2 trainer memory and throughput per rank: 1 and 2 gloo ranks of the real training session.
 
 For each world size the benchmark starts ``torchrun --standalone --nproc_per_node=N`` on this file's
-``--worker`` mode. Every rank loads the model written by ``prime_node.ml.architectures.write_model_dir``
-("qwen3", "small"), builds the FSDP2 ``GRPOTrainer`` (parameters, gradients and AdamW state sharded),
-and trains on one fixed synthetic batch (random prompts and completions, random advantages and
-behaviour log-probs: the speed and memory of a step do not depend on what the tokens say): one warm-up
-step, then ``--steps`` timed steps. Throughput counts every token of every sequence in the batch (the
-whole batch, all ranks together) per second of optimizer step.
+``--worker`` mode. Every rank opens the ``TrainingSession`` that ``run-trainer`` opens (the model built
+on the meta device and each rank reading its own rows of the weights, the FSDP2 ``GRPOTrainer``, the
+sharded training state and the step-0 checkpoint), then trains on one fixed synthetic batch (random
+prompts and completions, advantages and behaviour log-probs: the speed and memory of a step do not
+depend on what the tokens say): one warm-up step, then ``--steps`` timed steps, each with everything a
+session step does (the sharded AdamW state saved, the policy's weights file written by every rank,
+the checkpoint finished by rank 0's writer thread).
 
-Memory per rank is counted from the local shards after a step, when gradients and both AdamW moments
-exist (``fsdp.local_state_bytes``: parameters + gradients + optimizer state); peak RSS per rank is
-reported beside it (it also holds activations, the interpreter and torch itself).
+Memory per rank: the peak RSS of the rank's process (``ru_maxrss``: everything, the interpreter and
+torch included) divided by its share of the training state, 16 bytes per parameter (fp32 weights,
+gradients and both AdamW moments) ÷ ranks: ``rss_per_rank_ratio`` (goal ≤ 1.3, issue 32). The local
+shards (``fsdp.local_state_bytes``) and the RSS right after the session opened are reported beside it.
+Throughput counts every token of the batch (all ranks together) per second of step.
 
-Prints ONE JSON line: ``ranks`` (the most measured), ``tokens_per_s_by_ranks``, ``state_mib_by_ranks``,
-``memory_per_rank_ratio`` (state per rank at the most ranks ÷ at 1 rank; goal ≤ 0.65),
-``peak_rss_mib_by_ranks`` (one value per rank), and the settings.
+``--size``: ``tiny`` (0.26M parameters), ``small`` (16M, untied head) or ``0.44b`` (Qwen3-0.6B's shape
+with the 4,096-token BPE: hidden 1024, 28 layers, MLP 3072, 16/8 heads of 128, tied head; 444.7M
+parameters, written in bf16 like the issue's model; needs ~14 GiB free for both world sizes).
+
+Prints ONE JSON line: ``params``, ``rss_per_rank_ratio`` (worst rank of any world size),
+``rss_per_rank_ratio_by_ranks`` and ``peak_rss_mib_by_ranks`` (one value per rank),
+``open_rss_mib_by_ranks``, ``state_mib_by_ranks``, ``memory_per_rank_ratio`` (local shards at the most
+ranks ÷ at 1 rank; goal ≤ 0.65), ``tokens_per_s_by_ranks``, ``step_s_by_ranks``, and the settings.
 """
 
 from __future__ import annotations
@@ -31,17 +39,54 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+GOAL = 1.3
+BYTES_PER_PARAM = 16  # fp32 weights + gradients + two AdamW moments
 
-def _batch(
-    tokenizer_size: int, samples: int, prompt_tokens: int, completion_tokens: int, seed: int
-) -> object:
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def make_model(size: str, out: Path, seed: int, layers: int | None = None) -> None:
+    """Write the model directory of ``size`` (own process: the parent stays small)."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from prime_node.ml.architectures import ModelShape, model_config, write_model_dir
+    from prime_node.ml.bpe_tokenizer import train_bpe_tokenizer
+    from prime_node.ml.model import save_model_dir
+
+    if size in ("tiny", "small"):
+        write_model_dir("qwen3", size, seed, out)
+        return
+    shape = ModelShape(
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=layers or 28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_embeddings=True,
+        max_positions=4096,
+    )
+    tokenizer = train_bpe_tokenizer(shape.vocab_size)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(model_config(shape, tokenizer)).bfloat16()
+    save_model_dir(model, tokenizer, out)
+
+
+def _batch(vocab: int, samples: int, prompt_tokens: int, completion_tokens: int, seed: int) -> object:
     import torch
 
     from prime_node.ml.trainer import Prepared
 
     generator = torch.Generator().manual_seed(seed)
     length = prompt_tokens + completion_tokens
-    sequences = torch.randint(10, tokenizer_size, (samples, length), generator=generator).tolist()
+    sequences = torch.randint(10, vocab, (samples, length), generator=generator).tolist()
     behaviour = (-1.0 - torch.rand(samples, completion_tokens, generator=generator)).tolist()
     advantages = torch.randn(samples, generator=generator).tolist()
     return Prepared(0, sequences, [prompt_tokens] * samples, advantages, 0.5, samples // 4, 0, behaviour)
@@ -55,45 +100,53 @@ def worker(args: argparse.Namespace) -> None:
     from prime_node.config import RunConfig
     from prime_node.ml.distributed import init_from_env, shutdown
     from prime_node.ml.fsdp import local_state_bytes
-    from prime_node.ml.model import load_model
-    from prime_node.ml.tokenizer import load_tokenizer
-    from prime_node.ml.trainer import GRPOTrainer, Prepared
+    from prime_node.ml.session import TrainingSession
+    from prime_node.ml.trainer import Prepared
 
     torch.set_num_threads(args.threads)
     dist = init_from_env()
     model_dir = Path(args.model_dir)
-    tokenizer = load_tokenizer(model_dir)
     config = RunConfig.model_validate(
         {
+            "model_dir": str(model_dir),
             "output_dir": args.out,
             "micro_batch_samples": args.micro_batch,
             "max_new_tokens": args.completion_tokens,
             "train_dtype": args.train_dtype,
             "activation_checkpointing": args.activation_checkpointing,
+            "objective": args.objective,
+            "publish_dtype": args.publish_dtype,
         }
     )
-    trainer = GRPOTrainer(
-        config, load_model(model_dir), tokenizer, checkpoint_root=Path(args.out) / "ckpt", dist=dist
+    session = TrainingSession(config, base=model_dir, dist=dist)
+    open_rss = _rss_mib()
+    prepared = _batch(
+        len(session.tokenizer), args.samples, args.prompt_tokens, args.completion_tokens, seed=1
     )
-    prepared = _batch(len(tokenizer), args.samples, args.prompt_tokens, args.completion_tokens, seed=1)
     assert isinstance(prepared, Prepared)
-    trainer.train_step(prepared)  # warm-up: allocations, first collectives
-    state_bytes = local_state_bytes(trainer.model, trainer.optimizer)
-    dist_barrier = dist.barrier if dist.world_size > 1 else (lambda: None)
-    dist_barrier()
-    began = time.perf_counter()
-    for _ in range(args.steps):
-        trainer.train_step(prepared)
-    dist_barrier()
-    elapsed = time.perf_counter() - began
+    times: list[float] = []
+    if dist.is_main:
+        for _ in range(1 + args.steps):  # the first is the warm-up: allocations, first collectives
+            began = time.perf_counter()
+            session.train([prepared])
+            times.append(time.perf_counter() - began)
+        session.close()
+    else:
+        session.follow()
+        session.close()
+    state_bytes = local_state_bytes(session.trainer.model, session.trainer.optimizer)
+    params = sum(p.numel() for p in session.trainer.model.parameters())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = {
         "rank": dist.rank,
         "world_size": dist.world_size,
-        "step_s": elapsed / args.steps,
+        "step_s": sum(times[1:]) / max(1, len(times) - 1),
         "tokens_per_step": sum(len(s) for s in prepared.sequences),
         "state_bytes": state_bytes,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "params": sum(p.numel() for p in trainer.model.parameters()),
+        "peak_rss_bytes": peak,
+        "open_rss_mib": open_rss,
+        "params": params,
+        "ratio": peak / (BYTES_PER_PARAM * params / dist.world_size),
     }
     (Path(args.out) / f"rank{dist.rank}.json").write_text(json.dumps(result))
     shutdown()
@@ -113,6 +166,7 @@ def _run(nproc: int, args: argparse.Namespace, model_dir: Path, out: Path) -> li
         *("--samples", str(args.samples), "--prompt-tokens", str(args.prompt_tokens)),
         *("--completion-tokens", str(args.completion_tokens), "--micro-batch", str(args.micro_batch)),
         *("--threads", str(args.threads), "--train-dtype", args.train_dtype),
+        *("--objective", args.objective, "--publish-dtype", args.publish_dtype),
         *(("--activation-checkpointing",) if args.activation_checkpointing else ()),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -125,57 +179,80 @@ def _run(nproc: int, args: argparse.Namespace, model_dir: Path, out: Path) -> li
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--make-model", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--size", default="small", choices=["tiny", "small", "0.44b"])
     parser.add_argument("--ranks", type=str, default="1,2", help="comma-separated world sizes")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per world size")
-    parser.add_argument("--samples", type=int, default=16, help="sequences per optimizer batch")
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--completion-tokens", type=int, default=64)
-    parser.add_argument("--micro-batch", type=int, default=4, help="samples per forward/backward")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per world size")
+    parser.add_argument("--samples", type=int, default=8, help="sequences per optimizer batch")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--completion-tokens", type=int, default=32)
+    parser.add_argument("--micro-batch", type=int, default=2, help="samples per forward/backward")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--train-dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--objective", default="behaviour", choices=["behaviour", "recompute"])
+    parser.add_argument("--publish-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, help="decoder layers of the 0.44b shape (default 28)")
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
-
-    from prime_node.ml.architectures import write_model_dir
+    if args.make_model:
+        make_model(args.size, Path(args.make_model), args.seed, args.layers)
+        return
 
     ranks = [int(r) for r in args.ranks.split(",")]
     began = time.perf_counter()
     load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_dir("qwen3", "small", args.seed, Path(tmp) / "small")
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        model_dir = Path(tmp) / args.size
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                *("--make-model", str(model_dir), "--size", args.size),
+                *(("--layers", str(args.layers)) if args.layers else ()),
+            ],
+            cwd=REPO,
+            check=True,
+        )
         runs = {n: _run(n, args, model_dir, Path(tmp) / f"n{n}") for n in ranks}
-    tokens_per_s = {
-        str(n): round(r[0]["tokens_per_step"] / max(x["step_s"] for x in r), 1) for n, r in runs.items()
-    }
-    state_mib = {str(n): round(max(x["state_bytes"] for x in r) / 2**20, 2) for n, r in runs.items()}
-    most = max(ranks)
-    ratio = max(x["state_bytes"] for x in runs[most]) / max(x["state_bytes"] for x in runs[min(ranks)])
+    params = runs[min(ranks)][0]["params"]
+    ratios = {str(n): [round(x["ratio"], 3) for x in r] for n, r in runs.items()}
+    state = {n: max(x["state_bytes"] for x in r) for n, r in runs.items()}
     print(
         json.dumps(
             {
                 "benchmark": "trainer",
-                "model": "qwen3-small",
-                "params": runs[min(ranks)][0]["params"],
-                "ranks": most,
-                "tokens_per_s_by_ranks": tokens_per_s,
-                "state_mib_by_ranks": state_mib,
-                "memory_per_rank_ratio": round(ratio, 3),
-                "memory_goal": 0.65,
+                "model": f"qwen3-{args.size}" + (f"-{args.layers}-layers" if args.layers else ""),
+                "params": params,
+                "rss_per_rank_ratio": max(max(v) for v in ratios.values()),
+                "rss_goal": GOAL,
+                "rss_per_rank_ratio_by_ranks": ratios,
                 "peak_rss_mib_by_ranks": {
-                    str(n): [round(x["peak_rss_mib"], 1) for x in r] for n, r in runs.items()
+                    str(n): [round(x["peak_rss_bytes"] / 2**20, 1) for x in r] for n, r in runs.items()
                 },
-                "step_s_by_ranks": {str(n): round(max(x["step_s"] for x in r), 3) for n, r in runs.items()},
+                "share_mib_by_ranks": {str(n): round(BYTES_PER_PARAM * params / n / 2**20, 1) for n in runs},
+                "open_rss_mib_by_ranks": {
+                    str(n): [round(x["open_rss_mib"], 1) for x in r] for n, r in runs.items()
+                },
+                "state_mib_by_ranks": {str(n): round(b / 2**20, 1) for n, b in state.items()},
+                "memory_per_rank_ratio": round(state[max(ranks)] / state[min(ranks)], 3),
+                "memory_goal": 0.65,
+                "tokens_per_s_by_ranks": {
+                    str(n): round(r[0]["tokens_per_step"] / r[0]["step_s"], 1) for n, r in runs.items()
+                },
+                "step_s_by_ranks": {str(n): round(r[0]["step_s"], 2) for n, r in runs.items()},
                 "batch": {
                     "samples": args.samples,
                     "tokens": runs[min(ranks)][0]["tokens_per_step"],
                     "micro_batch": args.micro_batch,
                 },
+                "objective": args.objective,
+                "publish_dtype": args.publish_dtype,
                 "threads_per_rank": args.threads,
                 "train_dtype": args.train_dtype,
                 "activation_checkpointing": args.activation_checkpointing,

@@ -104,13 +104,14 @@ def save_checkpoint(
 def write_checkpoint(
     root: Path,
     step: int,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor] | Path,
     optimizer_state: tuple[dict[str, torch.Tensor], dict[str, str]] | None,
     base_dir: Path,
     extra: dict[str, Any],
 ) -> Checkpoint:
-    """``save_checkpoint`` from snapshots (weights as ``model_weights`` returns them). The FSDP2
-    trainer passes no optimizer state: its AdamW shards live in ``sharded_checkpoint.py``'s files."""
+    """``save_checkpoint`` from snapshots (weights as ``model_weights`` returns them, or a finished
+    safetensors file of them, which is hard-linked in: the FSDP2 trainer's ranks write it together).
+    The FSDP2 trainer passes no optimizer state: its AdamW shards live in ``sharded_checkpoint.py``."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
@@ -119,7 +120,13 @@ def write_checkpoint(
     for name in _MODEL_FILES:
         if (base_dir / name).is_file():
             shutil.copyfile(base_dir / name, tmp / name)
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if isinstance(weights, Path):
+        try:
+            os.link(weights, tmp / "model.safetensors")
+        except OSError:  # another file system, or one without hard links
+            shutil.copyfile(weights, tmp / "model.safetensors")
+    else:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if optimizer_state is not None:
         tensors, metadata = optimizer_state
         save_file(tensors, str(tmp / "optimizer.safetensors"), metadata=metadata)

@@ -83,7 +83,7 @@ class ChildInference:
         start: int,
         skip: list[int],
         root: Path,
-        start_weights: dict[str, torch.Tensor],
+        start_weights: dict[str, torch.Tensor] | Path,
         *,
         device: str = "cpu",
     ) -> None:
@@ -123,20 +123,29 @@ class ChildInference:
         self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._lock = threading.Lock()
 
-    def publish(self, step: int, weights: dict[str, torch.Tensor]) -> None:
+    def publish(self, step: int, weights: dict[str, torch.Tensor] | Path) -> None:
         """Hand policy ``step`` to the child: a weights file in the hand-off directory (not fsynced: it is
-        a message, not a checkpoint), then a notice. Older hand-off files are removed."""
+        a message, not a checkpoint; a finished safetensors file is hard-linked), then a notice. Older
+        hand-off files are removed."""
         self._write_handoff(step, weights)
         self._notice(step_notice(step))
         if step - self.keep != self.start:  # the child may still be starting up from that one
             handoff_path(self.handoff, step - self.keep).unlink(missing_ok=True)
 
-    def _write_handoff(self, step: int, weights: dict[str, torch.Tensor]) -> None:
+    def _write_handoff(self, step: int, weights: dict[str, torch.Tensor] | Path) -> None:
         from safetensors.torch import save_file
 
         path = handoff_path(self.handoff, step)
-        save_file(weights, str(path.with_suffix(".tmp")))
-        os.replace(path.with_suffix(".tmp"), path)
+        temp = path.with_suffix(".tmp")
+        temp.unlink(missing_ok=True)
+        if isinstance(weights, Path):
+            try:
+                os.link(weights, temp)
+            except OSError:  # another file system, or one without hard links
+                shutil.copyfile(weights, temp)
+        else:
+            save_file(weights, str(temp))
+        os.replace(temp, path)
 
     def _notice(self, notice: bytes) -> None:
         assert self._process.stdin is not None

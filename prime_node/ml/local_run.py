@@ -126,7 +126,7 @@ class LocalRun:
                 self.start,
                 sorted(self.replay),
                 session.checkpoint_root,
-                session.weights(self.start),
+                session.policy_file(self.start),  # in the published dtype: what the child loads
                 device=session.device,
             )
             self.batches = self.child
@@ -190,11 +190,10 @@ class LocalRun:
         prepared = session.admit(batch)
         metrics = session.train([prepared], [] if k in self.replay else [frame])
         self.result.steps.append(metrics)
-        weights = session.weights(session.step)
         if self.child is None:
-            self.store.publish(session.step, weights)
+            self.store.publish(session.step, session.weights(session.step))
         else:
-            self.child.publish(session.step, weights)
+            self.child.publish(session.step, session.policy_file(session.step))  # a hard link
         return metrics
 
     def _follow(self, on_step: Callable[[StepMetrics], None] | None) -> LocalRunResult:

@@ -7,11 +7,14 @@ real checkpoint. Weights are only ever read from safetensors, never from pickle 
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prime_node.bounded_json import loads_bounded
 from prime_node.errors import NodeError
 from prime_node.ml.tokenizer import build_char_tokenizer
 
@@ -118,6 +121,95 @@ def check_model_dir(model_dir: Path) -> None:
         raise NodeError(
             f"{model_dir} has no .safetensors weights (pickle weights are refused)", reason="bad_model_dir"
         )
+
+
+_INDEX = "model.safetensors.index.json"
+_MAX_INDEX_BYTES = 64 << 20
+
+
+def load_config(model_dir: Path) -> Any:
+    """The transformers config of a local HF directory (NodeError ``bad_model_dir`` if unreadable)."""
+    from transformers import AutoConfig
+
+    check_model_dir(model_dir)
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise NodeError(f"cannot read the config of {model_dir}: {exc}", reason="bad_model_dir") from exc
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside is put on the meta device (no memory); buffers stay real, so
+    non-persistent ones that checkpoints do not hold (rotary ``inv_freq``) keep their computed values."""
+    import torch
+
+    original = torch.nn.Module.register_parameter
+
+    def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":  # re-registering a tied one keeps it tied
+            moved = module._parameters[name]
+            assert moved is not None
+            module._parameters[name] = type(moved)(moved.to("meta"), requires_grad=moved.requires_grad)
+
+    setattr(torch.nn.Module, "register_parameter", register)  # noqa: B010 (a deliberate patch)
+    try:
+        yield
+    finally:
+        setattr(torch.nn.Module, "register_parameter", original)  # noqa: B010
+
+
+def build_empty_model(config: Any) -> Any:
+    """The causal LM of ``config`` in float32 with every parameter on the meta device (no weights read,
+    no memory spent): the FSDP2 trainer shards it first and only then materialises and fills each rank's
+    shards (``fsdp.build_sharded_model``), so no rank ever holds the whole model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with _LOAD_LOCK, _parameters_on_meta():  # process-wide patch: one build at a time
+            model: Any = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                config, dtype=torch.float32
+            )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise NodeError(f"cannot build a model from its config: {exc}", reason="bad_model_dir") from exc
+    model.eval()
+    return model
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Which safetensors file of ``model_dir`` holds each tensor: the index's ``weight_map`` for a
+    split checkpoint, else every tensor is in ``model.safetensors``. Names and files come from disk:
+    a file outside the directory, a missing one or a malformed index is a NodeError ``bad_model_dir``."""
+    index = model_dir / _INDEX
+    single = model_dir / "model.safetensors"
+    if not index.is_file():
+        if not single.is_file():
+            raise NodeError(f"{model_dir} has no model.safetensors", reason="bad_model_dir")
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(single), framework="pt") as handle:
+                return dict.fromkeys(handle.keys(), single)
+        except (OSError, SafetensorError) as exc:
+            raise NodeError(f"unreadable weights {single}: {exc}", reason="bad_model_dir") from exc
+    try:
+        if index.stat().st_size > _MAX_INDEX_BYTES:
+            raise ValueError("too large")
+        weight_map = loads_bounded(index.read_bytes())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise ValueError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise NodeError(f"malformed {index}: {exc}", reason="bad_model_dir") from exc
+    files: dict[str, Path] = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file or not file.endswith(".safetensors"):
+            raise NodeError(f"{index} names {file!r}: not a file of the directory", reason="bad_model_dir")
+        if not (model_dir / file).is_file():
+            raise NodeError(f"{index} names {file}, which is missing", reason="bad_model_dir")
+        files[str(name)] = model_dir / file
+    return files
 
 
 def parameter_count(model: Any) -> int:

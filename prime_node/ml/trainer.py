@@ -19,7 +19,6 @@ the sampler put in every sample (checked by validators in networked runs) and ne
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from collections.abc import Sequence
@@ -31,19 +30,23 @@ import torch
 
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
-from prime_node.ml.checkpoint import list_checkpoints, read_weights, step_dir
+from prime_node.ml.checkpoint import list_checkpoints, step_dir
+from prime_node.ml.chunked_head import policy_token_stats
 from prime_node.ml.distributed import DistInfo
 from prime_node.ml.evaluation import completion_text, encode_prompt
 from prime_node.ml.fsdp import (
     clip_gradients,
-    full_weights,
-    load_full_weights,
+    load_local_shards,
+    load_safetensors_shards,
+    local_shards,
     resolve_train_dtype,
     shard_model,
+    sharded_copy,
     training_mesh,
 )
 from prime_node.ml.grpo import group_advantages, grpo_loss
 from prime_node.ml.lr_schedule import learning_rate_at
+from prime_node.ml.model import weight_files
 from prime_node.tasks.base import TaskSource, length_bonus
 from protocol.rollouts import RolloutBatch
 
@@ -281,28 +284,41 @@ def _behaviour_micro_batch(
 
 
 class PolicyHistory:
-    """Weights of recent policy versions, for recomputing old log-probs of slightly stale batches."""
+    """This rank's shards of recent policy versions, for recomputing old log-probs of stale batches.
+
+    Each rank keeps copies of its own shards (1/N of the weights per version, in fp32 so the old
+    log-probs are the old policy's exactly): never storage shared with the live parameters, which the
+    next optimizer step changes in place, and never a whole model on one rank. A version no longer in
+    memory (after a restart) is read back from its checkpoint, each rank only its own rows."""
 
     def __init__(self, keep: int, checkpoint_root: Path) -> None:
         self.keep = keep
         self.root = checkpoint_root
-        self._weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._shards: dict[int, dict[str, torch.Tensor]] = {}
 
-    def add(self, step: int, weights: dict[str, torch.Tensor]) -> None:
-        self._weights[step] = weights
-        for old in sorted(self._weights)[: -self.keep]:
-            del self._weights[old]
+    def add(self, step: int, model: Any) -> None:
+        """Snapshot ``model``'s local shards as policy ``step`` (nothing when keeping none)."""
+        if self.keep <= 0:
+            return
+        self._shards[step] = local_shards(model)
+        for old in sorted(self._shards)[: -self.keep]:
+            del self._shards[old]
 
-    def get(self, step: int) -> dict[str, torch.Tensor]:
-        if step not in self._weights:
-            path = step_dir(self.root, step)
-            if not (path / "model.safetensors").is_file():
-                raise NodeError(
-                    f"weights of policy step {step} are neither in memory nor in {path}",
-                    reason="missing_policy",
-                )
-            self._weights[step] = read_weights(path)
-        return self._weights[step]
+    def steps(self) -> list[int]:
+        return sorted(self._shards)
+
+    def load_into(self, step: int, model: Any) -> None:
+        """Policy ``step`` into ``model`` (sharded like the trainee); no collective."""
+        if step in self._shards:
+            load_local_shards(model, self._shards[step])
+            return
+        path = step_dir(self.root, step)
+        if not (path / "model.safetensors").is_file():
+            raise NodeError(
+                f"weights of policy step {step} are neither in memory nor in {path}",
+                reason="missing_policy",
+            )
+        load_safetensors_shards(model, weight_files(path))
 
 
 class GRPOTrainer:
@@ -310,10 +326,15 @@ class GRPOTrainer:
 
     The model is sharded with FSDP2 over every rank of ``dist`` (``fsdp.py``; a single process is a
     1-rank mesh), and AdamW steps the local shards. Every rank must call ``train_step`` with the same
-    batch: each forward, backward and the weight gather after the step are collectives.
+    batch: each forward and backward is a collective.
 
-    The old-policy model ("recompute") and the KL reference are sharded frozen copies too (1/N of the
-    weights per rank, like the trainee); the old one is loaded from rank 0's policy history.
+    ``model`` is either already sharded (the training session builds it on the meta device and
+    loads each rank's shards: ``fsdp.build_sharded_model``, with this config's compute dtype and
+    activation checkpointing) or a whole model, sharded here in place.
+
+    The old-policy model ("recompute") and the KL reference (``kl_coef`` > 0) exist only when the
+    objective uses them: sharded frozen copies filled from each rank's own shards (1/N of the weights
+    per rank, like the trainee); the old one is loaded from each rank's policy history.
     """
 
     def __init__(
@@ -330,22 +351,28 @@ class GRPOTrainer:
         self.tokenizer = tokenizer
         self.dist = dist
         self.step = step
-        device = str(next(model.parameters()).device)
-        self.mesh = training_mesh(dist, device)
+        from torch.distributed.tensor import DTensor
+
+        first = next(model.parameters())
+        sharded = isinstance(first, DTensor)
+        device = str(first.to_local().device if sharded else first.device)
         compute_dtype = resolve_train_dtype(config.train_dtype, device)
         recompute = config.objective == "recompute"
-
-        def frozen_copy() -> Any:
-            return shard_model(copy.deepcopy(model).eval(), self.mesh, compute_dtype=compute_dtype)
-
-        self._old_model = frozen_copy() if recompute else None
+        if sharded:
+            self.mesh = first.device_mesh
+            self.model = model
+        else:
+            self.mesh = training_mesh(dist, device)
+            self.model = shard_model(
+                model,
+                self.mesh,
+                compute_dtype=compute_dtype,
+                activation_checkpointing=config.activation_checkpointing,
+            )
+        self._old_model = sharded_copy(self.model, compute_dtype=compute_dtype) if recompute else None
         self._old_model_step: int | None = None
-        self._reference = frozen_copy() if config.kl_coef > 0 else None
-        self.model = shard_model(
-            model,
-            self.mesh,
-            compute_dtype=compute_dtype,
-            activation_checkpointing=config.activation_checkpointing,
+        self._reference = (
+            sharded_copy(self.model, compute_dtype=compute_dtype) if config.kl_coef > 0 else None
         )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -353,30 +380,31 @@ class GRPOTrainer:
             betas=config.adam_betas,
             weight_decay=config.weight_decay,
         )
-        # Only "recompute" reads old policies back; the others keep the newest two for the callers
-        # (checkpoint writers and evaluation ask for the current step's weights). Rank 0 only.
-        self.history = PolicyHistory(config.async_level + 1 if recompute else 2, checkpoint_root)
+        # Only "recompute" reads old policies back (the others weigh tokens with the behaviour
+        # log-probs): it keeps every policy a batch may still come from, on every rank its own shards.
+        self.history = PolicyHistory(config.async_level + 1 if recompute else 0, checkpoint_root)
         self.record_policy()
         self.checkpoint_root = checkpoint_root
 
     def record_policy(self) -> None:
-        """Collective: gather the current weights into rank 0's history as policy ``self.step``."""
-        weights = full_weights(self.model)
-        if self.dist.is_main:
-            self.history.add(self.step, weights)
+        """Keep the current weights (this rank's shards, copied) as policy ``self.step`` if the
+        objective will need them; no collective. Published policies are the session's to write."""
+        self.history.add(self.step, self.model)
 
     def _old_logp(self, step: int, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         assert self._old_model is not None
         if self._old_model_step != step:
-            load_full_weights(self._old_model, self.history.get(step) if self.dist.is_main else None)
+            self.history.load_into(step, self._old_model)
             self._old_model_step = step
         return self._token_logp(self._old_model, ids, targets)
 
-    def _token_logp(self, model: Any, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        scale = self.config.temperature if self.config.temperature > 0 else 1.0
+    def _token_logp(
+        self, model: Any, ids: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """log_softmax(logits / T)[target] [B, T] at the positions of ``mask`` (default all; others 0),
+        one chunk of positions at a time (``chunked_head``: never [B, T, V])."""
         with torch.no_grad():
-            logits = model(input_ids=ids, use_cache=False).logits.float() / scale
-            return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            return policy_token_stats(model, ids, targets, mask, temperature=self.config.temperature).logp
 
     def _my_chunks(self, prepared: Prepared) -> list[list[int]]:
         """This rank's strided shard of the samples in micro-batches, padded with empty chunks to the
@@ -424,7 +452,10 @@ class GRPOTrainer:
                 advantages = torch.tensor(
                     [prepared.advantages[i] for i in chunk] or [0.0], dtype=torch.float32, device=device
                 )
-                logits = self.model(input_ids=ids, use_cache=False).logits
+                # Per completion token only, a chunk of positions at a time: never the [B, T, V] logits.
+                stats = policy_token_stats(
+                    self.model, ids, targets, mask, temperature=cfg.temperature, entropy=cfg.entropy_coef > 0
+                )
                 behaviour = None
                 old: torch.Tensor | None = None  # None: the detached training forward (pi_prox)
                 if uses_behaviour:
@@ -435,9 +466,13 @@ class GRPOTrainer:
                     ).to(device)
                 elif prepared.policy_step != self.step:
                     old = self._old_logp(prepared.policy_step, ids, targets)
-                ref = self._token_logp(self._reference, ids, targets) if self._reference is not None else None
+                ref = (
+                    self._token_logp(self._reference, ids, targets, mask)
+                    if self._reference is not None
+                    else None
+                )
                 parts = grpo_loss(
-                    logits,
+                    stats,
                     targets,
                     old,
                     advantages,
