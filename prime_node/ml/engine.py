@@ -174,8 +174,11 @@ def _retire_finished(active: list[int], keep: list[int]) -> tuple[list[int], lis
     rows to keep when the batch should shrink now (None: it stays as it is).
 
     Finished rows stay in the batch, their outputs ignored, until fewer than 3/4 of the rows are live:
-    dropping rows copies the whole KV cache, and dropping each sample as it finished cost one copy per
-    sample (a third of a 4,096-sample CPU batch's time); this way the copies add up to a few caches' worth.
+    dropping rows copies the whole KV cache, so dropping each sample as it finished cost one copy per
+    sample; this way the copies add up to at most three caches' worth per batch (plain ``generate`` in
+    transformers never drops rows). On a quiet 2-core CPU, 4,096 samples × 400 tokens of the tiny model
+    took 50–57 s either way (the copies cost there what the extra rows cost); on a GPU the copies are
+    the larger share (not measured yet).
     """
     if 4 * len(keep) < 3 * len(active):
         return [active[row] for row in keep], keep

@@ -183,7 +183,7 @@ def test_the_runner_measures_the_cpu_in_the_runs_dtype_and_batch(monkeypatch: py
 def test_measuring_cpu_decoding_returns_a_rate() -> None:
     for dtype in ("float32", "bfloat16"):
         seconds = measure_cpu_decode(dtype, 4, 1, in_features=256, out_features=512, budget_s=0.05)
-        assert 0 < seconds < math.inf
+        assert seconds > 0 and math.isfinite(seconds)
     with pytest.raises(NodeError):
         measure_cpu_decode("float16", 4, 1, in_features=8, out_features=8)
 
