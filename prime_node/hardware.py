@@ -52,7 +52,6 @@ __all__ = [
     "probe",
     "role_threads",
     "select_device",
-    "set_role_threads",
 ]
 MAX_THREADS = 1024
 MEASURE_IN_FEATURES = 4096
@@ -393,9 +392,6 @@ def select_device(
 
 # -- the CPU side of a role: threads and decode speed -------------------------------------------------------
 
-_chosen = {"threads": 0}
-"""What ``set_role_threads`` fixed for this process (0: nothing yet)."""
-
 
 def default_threads(env: Mapping[str, str] | None = None) -> int:
     """The torch threads of a standalone node's role: ``OMP_NUM_THREADS`` when a launcher set it (the demo
@@ -406,19 +402,12 @@ def default_threads(env: Mapping[str, str] | None = None) -> int:
     return cpu_cores()
 
 
-def set_role_threads(threads: int) -> int:
-    """Fix how many torch threads this process's role computes with (``join --threads``; 0 chooses
-    ``default_threads``) and return the count. One value per process: torch's pool is per process."""
+def role_threads(threads: int) -> int:
+    """The torch threads a role computes with for ``join --threads`` (0: ``default_threads``). Worker
+    threads call ``torch.set_num_threads`` with it themselves: torch keeps the count per OS thread."""
     if not 0 <= threads <= MAX_THREADS:
         raise NodeError(f"--threads {threads}: use 0 (all cores) to {MAX_THREADS}", reason="bad_flag")
-    _chosen["threads"] = threads or default_threads()
-    return _chosen["threads"]
-
-
-def role_threads() -> int:
-    """The torch threads a role's model work uses (``set_role_threads``, else ``default_threads``). Worker
-    threads call ``torch.set_num_threads(role_threads())`` themselves: torch keeps the count per OS thread."""
-    return _chosen["threads"] or default_threads()
+    return threads or default_threads()
 
 
 def measure_cpu_decode(

@@ -41,7 +41,7 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
-from prime_node.hardware import role_threads
+from prime_node.hardware import default_threads
 from prime_node.ml.oom_retry import ChunkedEngine, cuda_free_bytes
 from prime_node.node.stage_times import StageTimes
 from protocol.errors import ProtocolError
@@ -173,10 +173,13 @@ class InfererService:
         verdict_timeout_s: float = 20.0,
         device: str = "cpu",
         free_vram: Callable[[str], int] | None = None,
+        threads: int = 0,
     ) -> None:
         self.key = key
         self.device = device
         """Where the engine computes (``hardware.select_device``)."""
+        self.threads = threads or default_threads()
+        """Torch threads of the model work: the cores the node gives its role (``join --threads``)."""
         self.free_vram = free_vram or cuda_free_bytes
         """Free memory of a CUDA device, for the VRAM plan (tests pass synthetic sizes)."""
         self.vram_plan: VramPlan | None = None
@@ -374,7 +377,7 @@ class InfererService:
         from prime_node.ml.tokenizer import load_tokenizer
         from prime_node.tasks.factory import build_task
 
-        torch.set_num_threads(role_threads())  # the cores the node gives its role (--threads)
+        torch.set_num_threads(self.threads)  # torch keeps the count per OS thread
         self._tokenizer = load_tokenizer(path)
         self._task = build_task(self.config.task)
         config = self.config
@@ -418,7 +421,7 @@ class InfererService:
     def _make_frames(self, counter: int, now_ms: int) -> list[bytes]:
         import torch
 
-        torch.set_num_threads(role_threads())  # the cores the node gives its role (--threads)
+        torch.set_num_threads(self.threads)  # torch keeps the count per OS thread
         assert self.policy_step is not None
         return self.producer.frames(
             engine=self._engine,

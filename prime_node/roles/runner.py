@@ -250,9 +250,9 @@ class RoleRunner:
         return self._advertised or RecordPart()
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        from prime_node.hardware import probe, set_role_threads, to_summary
+        from prime_node.hardware import probe, role_threads, to_summary
 
-        self.threads = set_role_threads(self.threads)
+        self.threads = role_threads(self.threads)
         self._wall_ms = context.clock.wall_ms
         context.add_status_section("role", self.status)
         context.add_record_source(self.record_part)
@@ -393,7 +393,12 @@ class RoleRunner:
             )
             return [
                 InfererService(
-                    key=self.key, run_config=config, swarm=self.swarm, producer=cheat, device=self.device
+                    key=self.key,
+                    run_config=config,
+                    swarm=self.swarm,
+                    producer=cheat,
+                    device=self.device,
+                    threads=self.threads,
                 )
             ]
         if role == "validator":

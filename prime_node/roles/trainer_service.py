@@ -367,7 +367,12 @@ class TrainerService:
     # -- policies: write, share, prune ---------------------------------------------------------------
 
     def _write_policy(self, step: int) -> Path:
-        """policies/step_N: the HF files peers need (config, tokenizer, safetensors), nothing private."""
+        """policies/step_N: the HF files peers need (config, tokenizer, safetensors), nothing private.
+
+        The weights are the session's file of that step in the published dtype, which every rank wrote
+        its rows of before the next optimizer step (``TrainingSession.policy_file``): hard-linked (copied
+        across file systems), never read into this process. Only a step whose file is gone (a resume
+        after staging was pruned) is read and converted here."""
         from safetensors.torch import save_file
 
         from prime_node.ml.checkpoint import step_dir
@@ -377,14 +382,21 @@ class TrainerService:
         if (final / "model.safetensors").is_file():
             return final
         assert self.base is not None and self.session is not None
-        weights = self.session.weights(step)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for name in POLICY_FILES:
             if (self.base / name).is_file():
                 shutil.copyfile(self.base / name, tmp / name)
-        save_file(self._published(weights), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            source: Path | None = self.session.policy_file(step)
+        except NodeError:
+            source = None
+        if source is not None:
+            _link_or_copy(source, tmp / "model.safetensors")
+        else:
+            weights = self._published(self.session.weights(step))
+            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         os.replace(tmp, final)
         self._prune_policies(root, step)
         return final
@@ -480,3 +492,12 @@ class TrainerService:
             log.warning("stopping the other trainer ranks failed: %s", exc)
         else:
             self.stopped_ranks = True
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """``target`` holding ``source``'s bytes: a hard link (the files are never rewritten in place), or a
+    copy where the two are on different file systems."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)

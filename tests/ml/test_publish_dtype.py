@@ -7,6 +7,7 @@ training state must stay float32.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
+from prime_node.errors import NodeError
 from prime_node.roles.trainer_service import TrainerOptions, TrainerService
 from prime_node.swarm.delta_versions import Published
 from protocol.manifest import Manifest, build_manifest
@@ -58,18 +60,28 @@ def _service(tmp_path: Path, model: Path, **overrides: object) -> TrainerService
 def test_policies_are_written_in_the_publish_dtype_from_float32_master_weights(
     tmp_path: Path, tiny_model_dir: Path, overrides: dict[str, object], expected: torch.dtype
 ) -> None:
+    """Linked from the session's published-dtype file; and, for a step whose file is gone (a resume
+    after staging was pruned), read back and converted: the same bytes either way."""
     service = _service(tmp_path, tiny_model_dir, **overrides)
     service.session = service._open()
     try:
         master = service.session.weights(0)
-        written = load_file(str(service._write_policy(0) / "model.safetensors"))
+        linked = load_file(str(service._write_policy(0) / "model.safetensors"))
+        shutil.rmtree(tmp_path / "out" / "policies")
+
+        def gone(step: int) -> Path:
+            raise NodeError(f"policy step {step} has no file any more", reason="missing_policy")
+
+        service.session.policy_file = gone  # type: ignore[method-assign]
+        converted = load_file(str(service._write_policy(0) / "model.safetensors"))
     finally:
         service.close()
-    assert set(written) == set(master)
-    for name, tensor in master.items():
-        assert tensor.dtype == torch.float32, name  # the trainer's own copy is untouched
-        assert written[name].dtype == expected, name
-        assert torch.equal(written[name], tensor.to(expected)), name
+    for written in (linked, converted):
+        assert set(written) == set(master)
+        for name, tensor in master.items():
+            assert tensor.dtype == torch.float32, name  # the trainer's own copy is untouched
+            assert written[name].dtype == expected, name
+            assert torch.equal(written[name], tensor.to(expected)), name
 
 
 class _RecordingSwarm:

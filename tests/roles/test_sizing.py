@@ -22,7 +22,6 @@ from prime_node.hardware import (
     default_threads,
     measure_cpu_decode,
     role_threads,
-    set_role_threads,
 )
 from prime_node.ml.architectures import create_model, model_shape, write_model_dir
 from prime_node.roles.runner import measured_profile, needed_tokens_per_s, requirements_for
@@ -206,16 +205,14 @@ def test_hostile_checkpoints_are_node_errors(tmp_path: Path, qwen3_06b_headers: 
 
 
 def test_threads_are_the_cores_given_to_the_role(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hardware, "_chosen", {"threads": 0})
     assert default_threads({"OMP_NUM_THREADS": "3"}) == 3
     for unset in ({}, {"OMP_NUM_THREADS": ""}, {"OMP_NUM_THREADS": "0"}, {"OMP_NUM_THREADS": "lots"}):
         assert default_threads(unset) == cpu_cores()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert role_threads() == cpu_cores()  # a standalone node: every core it may use
-    assert set_role_threads(0) == cpu_cores() and role_threads() == cpu_cores()
-    assert set_role_threads(1) == 1 and role_threads() == 1  # the demo's joiners: --threads 1
+    assert role_threads(0) == cpu_cores()  # a standalone node: every core it may use
+    assert role_threads(1) == 1  # the demo's joiners: --threads 1
     with pytest.raises(NodeError) as caught:
-        set_role_threads(5000)
+        role_threads(5000)
     assert caught.value.reason == "bad_flag"
     assert trainer_threads(_run(threads=3)) == 3
     assert trainer_threads(_run()) == cpu_cores()
