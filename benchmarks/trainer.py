@@ -6,8 +6,14 @@ on the meta device and each rank reading its own rows of the weights, the FSDP2 
 sharded training state and the step-0 checkpoint), then trains on one fixed synthetic batch (random
 prompts and completions, advantages and behaviour log-probs: the speed and memory of a step do not
 depend on what the tokens say): one warm-up step, then ``--steps`` timed steps, each with everything a
-session step does (the sharded AdamW state saved, the policy's weights file written by every rank,
-the checkpoint finished by rank 0's writer thread).
+session step does (the sharded AdamW state saved — every step with the default
+``--checkpoint-every 1``, the worst case —, the policy's weights file written by every rank, the
+checkpoint finished by rank 0's writer thread).
+
+``checkpoint_share``: seconds of checkpoint work on the training loop's path (the policy's weights file,
+capturing a training-state save and waiting for the previous one before the optimizer step; the
+background writes excluded) ÷ seconds of step, over the timed steps of rank 0; ``open_s``: opening the
+session (model load and step 0's files, whose saves run in the background).
 
 Memory per rank: the peak RSS of the rank's process (``ru_maxrss``: everything, the interpreter and
 torch included) divided by its share of the training state, 16 bytes per parameter (fp32 weights,
@@ -20,7 +26,8 @@ with the 4,096-token BPE: hidden 1024, 28 layers, MLP 3072, 16/8 heads of 128, t
 parameters, written in bf16 like the issue's model; needs ~14 GiB free for both world sizes).
 
 Prints ONE JSON line: ``params``, ``rss_per_rank_ratio`` (worst rank of any world size),
-``rss_per_rank_ratio_by_ranks`` and ``peak_rss_mib_by_ranks`` (one value per rank),
+``rss_per_rank_ratio_by_ranks`` and ``peak_rss_mib_by_ranks`` (one value per rank), ``checkpoint_share``
+(worst world size) and ``checkpoint_share_by_ranks``, ``open_s_by_ranks``,
 ``open_rss_mib_by_ranks``, ``state_mib_by_ranks``, ``memory_per_rank_ratio`` (local shards at the most
 ranks ÷ at 1 rank; goal ≤ 0.65), ``tokens_per_s_by_ranks``, ``step_s_by_ranks``, and the settings.
 """
@@ -116,20 +123,29 @@ def worker(args: argparse.Namespace) -> None:
             "activation_checkpointing": args.activation_checkpointing,
             "objective": args.objective,
             "publish_dtype": args.publish_dtype,
+            "checkpoint_every": args.checkpoint_every
+            if args.checkpoint_every == "auto"
+            else int(args.checkpoint_every),
         }
     )
+    opening = time.perf_counter()
     session = TrainingSession(config, base=model_dir, dist=dist)
+    open_s = time.perf_counter() - opening
     open_rss = _rss_mib()
     prepared = _batch(
         len(session.tokenizer), args.samples, args.prompt_tokens, args.completion_tokens, seed=1
     )
     assert isinstance(prepared, Prepared)
     times: list[float] = []
+    on_path = 0.0
     if dist.is_main:
         for _ in range(1 + args.steps):  # the first is the warm-up: allocations, first collectives
             began = time.perf_counter()
+            before = session.times["state_s"] + session.times["policy_s"]
             session.train([prepared])
             times.append(time.perf_counter() - began)
+            if len(times) > 1:
+                on_path += session.times["state_s"] + session.times["policy_s"] - before
         session.close()
     else:
         session.follow()
@@ -145,6 +161,8 @@ def worker(args: argparse.Namespace) -> None:
         "state_bytes": state_bytes,
         "peak_rss_bytes": peak,
         "open_rss_mib": open_rss,
+        "open_s": open_s,
+        "checkpoint_share": on_path / max(1e-9, sum(times[1:])),
         "params": params,
         "ratio": peak / (BYTES_PER_PARAM * params / dist.world_size),
     }
@@ -167,6 +185,7 @@ def _run(nproc: int, args: argparse.Namespace, model_dir: Path, out: Path) -> li
         *("--completion-tokens", str(args.completion_tokens), "--micro-batch", str(args.micro_batch)),
         *("--threads", str(args.threads), "--train-dtype", args.train_dtype),
         *("--objective", args.objective, "--publish-dtype", args.publish_dtype),
+        *("--checkpoint-every", args.checkpoint_every),
         *(("--activation-checkpointing",) if args.activation_checkpointing else ()),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -194,6 +213,9 @@ def main() -> None:
     parser.add_argument("--objective", default="behaviour", choices=["behaviour", "recompute"])
     parser.add_argument("--publish-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument(
+        "--checkpoint-every", default="1", help='training state every N steps or "auto" (1: every step)'
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, help="decoder layers of the 0.44b shape (default 28)")
     args = parser.parse_args()
@@ -246,6 +268,12 @@ def main() -> None:
                     str(n): round(r[0]["tokens_per_step"] / r[0]["step_s"], 1) for n, r in runs.items()
                 },
                 "step_s_by_ranks": {str(n): round(r[0]["step_s"], 2) for n, r in runs.items()},
+                "checkpoint_share": max(round(r[0]["checkpoint_share"], 3) for r in runs.values()),
+                "checkpoint_share_by_ranks": {
+                    str(n): round(r[0]["checkpoint_share"], 3) for n, r in runs.items()
+                },
+                "open_s_by_ranks": {str(n): round(r[0]["open_s"], 1) for n, r in runs.items()},
+                "checkpoint_every": args.checkpoint_every,
                 "batch": {
                     "samples": args.samples,
                     "tokens": runs[min(ranks)][0]["tokens_per_step"],

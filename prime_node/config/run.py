@@ -182,10 +182,19 @@ class RunConfig(_Strict):
     """Held-out tasks per evaluation."""
     keep_checkpoints: int = Field(0, ge=0)
     """Checkpoints kept on disk; never fewer than async_level + 1 (stale batches need their policy)."""
+    checkpoint_every: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """Save the training state (sharded float32 weights and AdamW moments, 12 bytes per parameter:
+    what a restart resumes from) after every this many steps, and after the last; the policy checkpoint
+    is written every step regardless, and a restart replays the rollout log's batches since the newest
+    training state. "auto": after the steps whose training time since the previous save is at least 10×
+    that save's measured duration, so saving takes at most 10 % of the run (docs/rl.md, *Checkpoints off
+    the step's path*)."""
     publish_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """dtype of the policies the trainer publishes to the swarm ("auto": ``inference_dtype``, what
-    inferers generate in). The trainer keeps its float32 master weights; bfloat16 halves the checkpoint
-    and makes consecutive policies mostly bit-identical, so deltas are small (docs/deltas.md)."""
+    """dtype of the policies the trainer publishes to the swarm ("auto": bfloat16, which every inferer
+    accepts: it loads the policy into ``inference_dtype``, and validators recompute from the same
+    published weights, so TOPLOC's calibrated pairs are unchanged). The trainer keeps its float32 master
+    weights; bfloat16 halves the checkpoint and makes consecutive policies mostly bit-identical, so
+    deltas are small (docs/deltas.md: fp32 policies change ~92% of their values every step)."""
     delta_snapshot_every: int = Field(10, ge=1)
     """Publish a full checkpoint every this many steps and a delta against the previous policy in
     between (1: never deltas). A peer that missed too much fetches the newest full state."""
@@ -258,7 +267,7 @@ class RunConfig(_Strict):
     @property
     def published_dtype(self) -> Literal["float32", "bfloat16"]:
         """dtype of the policies on the swarm (``publish_dtype`` with "auto" resolved)."""
-        return self.inference_dtype if self.publish_dtype == "auto" else self.publish_dtype
+        return "bfloat16" if self.publish_dtype == "auto" else self.publish_dtype
 
     @property
     def checkpoints_to_keep(self) -> int:

@@ -8,7 +8,9 @@
         trainer_state.json         {"step": 12, ...}
 
 A step directory is built under ``.tmp`` and renamed into place after its files are fsynced, so a kill at
-any moment leaves either the whole checkpoint or none. Only the newest ``keep`` are kept.
+any moment leaves either the whole checkpoint or none. Only the newest ``keep`` are kept. The policy
+directories the networked trainer shares (``write_policy_dir``: ``OUT/policies/step_N``) are built by
+the same code from the same weights file (a hard link): one write per policy, in the published dtype.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ _MODEL_FILES = (
     "merges.txt",
     "chat_template.jinja",
 )
+POLICY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+"""What a shared policy directory holds beside its weights: what a peer needs to load it."""
 
 
 @dataclass(frozen=True)
@@ -112,32 +122,110 @@ def write_checkpoint(
     """``save_checkpoint`` from snapshots (weights as ``model_weights`` returns them, or a finished
     safetensors file of them, which is hard-linked in: the FSDP2 trainer's ranks write it together).
     The FSDP2 trainer passes no optimizer state: its AdamW shards live in ``sharded_checkpoint.py``."""
+    final = _build_step_dir(
+        root,
+        step,
+        weights,
+        base_dir,
+        _MODEL_FILES,
+        durable=True,
+        extra=extra,
+        optimizer_state=optimizer_state,
+    )
+    return Checkpoint(step, final)
+
+
+def write_policy_dir(root: Path, step: int, weights: dict[str, torch.Tensor] | Path, base_dir: Path) -> Path:
+    """``root/step_N`` with what peers need of policy ``step`` (``POLICY_FILES`` and the weights; nothing
+    private), renamed into place; an existing one is kept as it is (peers may hold its bytes already).
+    ``weights`` as for ``write_checkpoint``: the trainer passes the same file its checkpoint links, so
+    the shared policy and the checkpoint are one file on disk. Not fsynced: a kill loses at most
+    a directory the trainer writes again from its checkpoint when it resumes."""
+    final = step_dir(root, step)
+    if (final / "model.safetensors").is_file():
+        return final
+    return _build_step_dir(root, step, weights, base_dir, POLICY_FILES, durable=False, extra=None)
+
+
+def _build_step_dir(
+    root: Path,
+    step: int,
+    weights: dict[str, torch.Tensor] | Path,
+    base_dir: Path,
+    names: tuple[str, ...],
+    *,
+    durable: bool,
+    extra: dict[str, Any] | None,
+    optimizer_state: tuple[dict[str, torch.Tensor], dict[str, str]] | None = None,
+) -> Path:
+    """The one writer of step directories: under ``.tmp``, the base's ``names``, the weights (a hard
+    link to a finished file, or tensors saved), ``trainer_state.json`` when ``extra`` is given; fsynced
+    when ``durable``; then renamed into place."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    for name in _MODEL_FILES:
+    for name in names:
         if (base_dir / name).is_file():
             shutil.copyfile(base_dir / name, tmp / name)
     if isinstance(weights, Path):
-        try:
-            os.link(weights, tmp / "model.safetensors")
-        except OSError:  # another file system, or one without hard links
-            shutil.copyfile(weights, tmp / "model.safetensors")
+        link_or_copy(weights, tmp / "model.safetensors")
     else:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if optimizer_state is not None:
         tensors, metadata = optimizer_state
         save_file(tensors, str(tmp / "optimizer.safetensors"), metadata=metadata)
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **extra}, sort_keys=True))
-    for item in tmp.iterdir():
-        fsync_path(item)
+    if extra is not None:
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **extra}, sort_keys=True))
+    if durable:
+        for item in tmp.iterdir():
+            fsync_path(item)
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    fsync_directory(root)
-    return Checkpoint(step, final)
+    if durable:
+        fsync_directory(root)
+    return final
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """``target`` holding ``source``'s bytes: a hard link (the files are never rewritten in place), or a
+    copy where the two are on different file systems (or one without hard links)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def prune_step_dirs(root: Path, newest: int, keep: int) -> None:
+    """Remove ``root/step_N`` directories with N <= ``newest - keep`` (``write_policy_dir``'s)."""
+    if not root.is_dir():
+        return
+    for item in root.iterdir():
+        match = _STEP_DIR.match(item.name)
+        if match and int(match.group(1)) <= newest - keep:
+            shutil.rmtree(item, ignore_errors=True)
+
+
+def weights_dtype(path: Path) -> str | None:
+    """The dtype of the floating tensors in a safetensors file, by its header ("F32" -> "float32",
+    "BF16" -> "bfloat16", "F16" -> "float16"); None if it has none or the header is unreadable."""
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+    try:
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if not 0 < size <= 100 << 20:
+                return None
+            header = json.loads(handle.read(size))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    for name, entry in header.items():
+        if name != "__metadata__" and isinstance(entry, dict) and entry.get("dtype") in names:
+            return names[entry["dtype"]]
+    return None
 
 
 def list_checkpoints(root: Path) -> list[Checkpoint]:

@@ -11,9 +11,10 @@ With ``local_inference = "process"`` the inference stage is a child process inst
 
 Resume, the step, checkpoints and evaluation are the ``TrainingSession``'s (``session.py``), shared with
 the networked trainer: batch k is appended (fsynced) to ``OUT/rollouts.log`` before step k trains on
-it; after step k a checkpoint ``OUT/checkpoints/step_{k+1}`` is written. What is --local's own: a
-restart replays the logged batches after the newest checkpoint before generating new ones, so the
-resumed run ends bit-identical to an uninterrupted one. With torch.distributed, rank 0 generates,
+it; after step k a checkpoint ``OUT/checkpoints/step_{k+1}`` is written (the training state every
+``checkpoint_every`` steps). What is --local's own: a restart replays the logged batches after the
+newest training state, interleaved with generating new ones, so the resumed run ends bit-identical to
+an uninterrupted one. With torch.distributed, rank 0 generates,
 admits and trains through the session (which hands each step to the other ranks); ranks > 0 only
 ``follow`` it.
 """
@@ -133,12 +134,12 @@ class LocalRun:
             return None
         self.store.mark_available(self.start)
         self.store.publish(self.start, session.weights(self.start))
-        engine = load_engine(
+        engine = load_engine(  # the base's weights: a resumed policy comes from the store on first use
             session.source,
             session.tokenizer,
             engine=self.config.engine,
             device=session.device,
-            policy_step=self.start,
+            policy_step=0 if self.start == 0 else -1,
         )
         to_generate = [k for k in range(self.start, self.config.max_steps) if k not in self.replay]
         thread = threading.Thread(

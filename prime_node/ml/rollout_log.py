@@ -77,6 +77,13 @@ class RolloutLog:
                 log.warning("rollout log %s: skipping an undecodable record: %s", self.path, exc)
         return found
 
+    def frames_by_step(self) -> dict[int, list[bytes]]:
+        """Every logged frame by its step, in log order (a networked step merges several batches)."""
+        frames: dict[int, list[bytes]] = {}
+        for step, frame in self._records:
+            frames.setdefault(step, []).append(frame)
+        return frames
+
     def compact(self, keep_from_step: int) -> int:
         """Atomically drop records for steps before ``keep_from_step`` (already inside a checkpoint the
         trainer keeps); returns how many were dropped."""

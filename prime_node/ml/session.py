@@ -5,18 +5,23 @@ durability, checkpoints and evaluation live in the loop around them. Both the --
 (``local_run.py``) and the networked trainer (``roles/trainer_service.py``) drive a
 ``TrainingSession``, so the two agree by construction on every rule below instead of by review:
 
-- **Open.** Resume from the newest step that has both a complete Hugging Face checkpoint in
-  ``OUT/checkpoints`` (the policy the swarm shares) and sharded training state in ``OUT/train_state``
-  (FSDP2 weights and AdamW moments, ``sharded_checkpoint.py``), or start from the base model and write
-  both for step 0 first. With torch.distributed every rank looks before rank 0 writes, and only rank 0
-  writes the rollout log, Hugging Face checkpoints and metrics (every rank writes its own shards).
+- **Open.** Resume from the newest sharded training state in ``OUT/train_state`` (FSDP2 fp32 weights
+  and AdamW moments, ``sharded_checkpoint.py``; saved every ``checkpoint_every`` steps) and replay the
+  rollout log's batches of the steps after it, up to the newest policy checkpoint or beyond
+  (``replay_until``: --local through ``logged_batches``, the networked trainer through ``replay``), so
+  no trained batch is lost; or start from the base model, step 0's files going the way of every
+  step's. With torch.distributed every rank looks before rank 0 writes, and only rank 0 writes the
+  rollout log, Hugging Face checkpoints and metrics (every rank writes its own shards).
 - **Step.** Admitted batches of one policy step are merged into one optimizer batch; their frames are
   appended to ``OUT/rollouts.log`` and fsynced *before* the step trains on them; after the step every
-  rank saves its shards, then every rank writes its own rows of the new policy's weights file
-  (``OUT/policy_staging``, fp32, plus one in the published dtype when that differs): nothing is
-  gathered, no rank holds the whole model, and the file holds this step's weights whatever the next
-  optimizer step does. A background writer hard-links it into the policy's Hugging Face checkpoint
-  (fsynced, renamed into place), and one line goes to ``OUT/metrics.jsonl``.
+  rank writes its own rows of the new policy's one weights file, in the published dtype
+  (``OUT/policy_staging``): nothing is gathered, no rank holds the whole model, and the file holds
+  this step's weights whatever the next optimizer step does. A background writer hard-links it into
+  the policy's Hugging Face checkpoint (fsynced, renamed into place); ``publish_policy`` links it into
+  the directory the networked trainer shares. When ``state_save_due`` says so (rank 0 decides and
+  sends the decision with the step) every rank starts saving its shards in the background
+  (``AsyncShardedSaver``); the next optimizer step waits for that save, nothing else does. One line
+  goes to ``OUT/metrics.jsonl``.
 - **Memory.** The model is built on the meta device and each rank reads only its own rows of the
   weights (``fsdp.build_sharded_model``); past policies live on each rank as its own shards
   (``PolicyHistory``, "recompute" only) or in those files: per rank ~16 bytes per parameter / N.
@@ -29,8 +34,8 @@ durability, checkpoints and evaluation live in the loop around them. Both the --
   networked trainer can evaluate one policy while it trains the next.
 
 What differs between the drivers stays with them: where batches come from, torch threads and device,
-whether logged batches are replayed (--local: ``logged_batches``; the networked trainer continues with
-fresh batches), and the policy directories the networked trainer shares.
+how logged batches are replayed (--local: ``logged_batches``, interleaved with generation; the
+networked trainer: ``replay`` before it takes new batches), and sharing the policy directories.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ import ctypes
 import ctypes.util
 import json
 import logging
+import os
 import queue
 import shutil
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -55,9 +62,12 @@ from prime_node.ml.checkpoint import (
     Checkpoint,
     list_checkpoints,
     prune_checkpoints,
+    prune_step_dirs,
     read_weights,
     step_dir,
+    weights_dtype,
     write_checkpoint,
+    write_policy_dir,
 )
 from prime_node.ml.distributed import DistInfo
 from prime_node.ml.engine import TorchEngine
@@ -72,11 +82,11 @@ from prime_node.ml.fsdp import (
 from prime_node.ml.rollout_batch import with_tied_head
 from prime_node.ml.rollout_log import RolloutLog
 from prime_node.ml.sharded_checkpoint import (
+    AsyncShardedSaver,
     ShardedCheckpoint,
     list_sharded,
     load_sharded,
-    prune_sharded,
-    save_sharded,
+    state_save_due,
 )
 from prime_node.ml.tokenizer import load_tokenizer
 from prime_node.ml.trainer import (
@@ -88,6 +98,8 @@ from prime_node.ml.trainer import (
     prepare,
 )
 from prime_node.tasks.factory import build_task
+from protocol.codec import decode
+from protocol.errors import RemoteProtocolError
 from protocol.rollouts import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -114,13 +126,38 @@ def merge_prepared(parts: Sequence[Prepared]) -> Prepared:
 
 
 def _resume_point(
-    checkpoints: Sequence[Checkpoint], sharded: Sequence[ShardedCheckpoint]
-) -> ShardedCheckpoint | None:
-    """The newest step with both a Hugging Face checkpoint (the policy the swarm shares) and sharded
-    training state (weights and AdamW moments): a kill may leave either one a step ahead."""
-    shared = {c.step for c in checkpoints}
-    both = [c for c in sharded if c.step in shared]
-    return both[-1] if both else None
+    checkpoints: Sequence[Checkpoint], sharded: Sequence[ShardedCheckpoint], logged: Sequence[int] | None
+) -> tuple[int, ShardedCheckpoint | None, int]:
+    """(start step, its training state or None for the base model, the newest step the log can bring
+    the run back to). Training state is saved every ``checkpoint_every`` steps and policies every step,
+    so the newest policy may be several steps past the newest state: the rollout log's batches for the
+    steps in between are replayed. A policy the log cannot reach again (``logged``: the steps with a
+    logged batch; None on ranks other than 0, which only follow) is refused: its batches are gone (a
+    directory from before sharded checkpoints)."""
+    state = sharded[-1] if sharded else None
+    start = state.step if state is not None else 0
+    if logged is None:
+        return start, state, start
+    reach = start
+    present = set(logged)
+    while reach in present:
+        reach += 1
+    newest = checkpoints[-1].step if checkpoints else 0
+    if state is None and newest > reach:
+        raise NodeError(
+            f"checkpoints up to step {newest} but no training state, and the rollout log cannot replay "
+            f"them (written before sharded checkpoints existed?): start a new output_dir",
+            reason="bad_checkpoint",
+        )
+    if newest > reach:
+        log.warning(
+            "the rollout log replays steps %d..%d only: policies %d..%d are trained again on new batches",
+            start,
+            reach,
+            reach + 1,
+            newest,
+        )
+    return start, state, reach
 
 
 _MMAP_THRESHOLD = 128 << 10
@@ -148,7 +185,7 @@ class CheckpointWriter:
     The training loop pays only for writing the weights into the page cache; the fsyncs run while the
     next step trains. What the writer gets is a finished file, never tensors the optimizer may change.
     A kill may leave the newest checkpoint a step or two behind: every batch trained since is in the
-    rollout log (a --local restart replays them; a networked one continues from the checkpoint).
+    rollout log, and a restart replays them.
     """
 
     def __init__(
@@ -196,7 +233,7 @@ class CheckpointWriter:
 
 
 class TrainingSession:
-    """The model, optimizer, rollout log, checkpoint writer and evaluation engine of one run (see the
+    """The model, optimizer, rollout log, checkpoint writers and evaluation engine of one run (see the
     module doc). One call at a time, except that ``evaluate`` given weights (taken with ``weights``
     beforehand) may run in another thread beside ``train``: it has its own engine and tokenizer.
 
@@ -215,25 +252,25 @@ class TrainingSession:
         self.device = device if device is not None else self.dist.device
         self.checkpoint_root = config.output_dir / "checkpoints"
         self.state_root = config.output_dir / "train_state"
+        self.rollout_log: RolloutLog | None = None
+        if self.dist.is_main:
+            self.rollout_log = RolloutLog(config.output_dir / "rollouts.log")
         found = list_checkpoints(self.checkpoint_root)
-        resume = _resume_point(found, list_sharded(self.state_root))
+        logged = sorted(_frames_by_step(self.rollout_log)) if self.rollout_log is not None else None
+        self.start_step, resume, self.replay_until = _resume_point(
+            found, list_sharded(self.state_root), logged
+        )
+        """``replay_until``: the newest policy the logged batches after ``start_step`` lead to (rank 0)."""
         if self.dist.world_size > 1:
             self.dist.barrier()  # every rank has looked before rank 0 writes anything
-        if found and resume is None:
-            raise NodeError(
-                f"{self.checkpoint_root} has checkpoints but {self.state_root} no training state for any "
-                "of them (written before sharded checkpoints existed?): start a new output_dir",
-                reason="bad_checkpoint",
-            )
-        self.start_step = resume.step if resume else 0
-        self.source = step_dir(self.checkpoint_root, resume.step) if resume else base
-        """Where the starting weights came from: the resumed step's checkpoint, or the base model."""
-        self._oldest_kept = found[0].step if found else 0
+        self.source = base
+        """Where the model was built from (the resumed training state is loaded over it)."""
+        self._oldest_kept = min(found[0].step if found else 0, self.start_step)
         self.staging = config.output_dir / "policy_staging"
         if self.dist.is_main:  # what a killed run staged is in its checkpoints or lost with its step
             shutil.rmtree(self.staging, ignore_errors=True)
         self.model = build_sharded_model(
-            self.source,
+            base,
             training_mesh(self.dist, self.device),
             device=self.device,
             compute_dtype=resolve_train_dtype(config.train_dtype, self.device),
@@ -250,28 +287,41 @@ class TrainingSession:
             step=self.start_step,
         )
         self._extra = {"run_id": config.run_id}
-        if resume is not None:
-            load_sharded(resume, self.trainer.model, self.trainer.optimizer)
-            log.info("resuming from %s and %s", self.source, resume.path)
-            self._stage_policy(master=False)  # its checkpoint has the master weights already
-        else:
-            self._save_state()
-            self._stage_policy()
-            if self.dist.is_main:
-                staged = self._staged(0, "float32")
-                write_checkpoint(self.checkpoint_root, 0, staged, None, base, self._extra)
-        self.rollout_log: RolloutLog | None = None
+        self.times = {"train_s": 0.0, "state_s": 0.0, "policy_s": 0.0}
+        """Seconds of this process's steps: training, and the checkpoint work on the step's path (state:
+        capturing a save and waiting for the previous one before the optimizer step; policy: writing
+        the policy's weights file). The background writes are not in them."""
+        self._since_save_s = 0.0
+        self._last_step_s = 0.0
+        self._saver = AsyncShardedSaver(self.state_root, meta={"run_id": config.run_id}, keep=1)
+        self.trainer.before_update = self._wait_for_state
         self._writer: CheckpointWriter | None = None
         if self.dist.is_main:
-            self.rollout_log = RolloutLog(config.output_dir / "rollouts.log")
             self._writer = CheckpointWriter(
                 self.checkpoint_root, base, config.checkpoints_to_keep, self._extra
             )
+        self._open_state(resume)
         self.eval_ids = list(self.task.eval_ids())[: config.eval_tasks]
         self._eval_engine: TorchEngine | None = None
         self._eval_tokenizer: Any = None
         self._in_step = False  # a step's collectives are under way (rank 0 must not send stop then)
         self._stopped = False
+
+    def _open_state(self, resume: ShardedCheckpoint | None) -> None:
+        """Collective: load the resumed training state, or start step 0's files the way of every step's
+        (nothing waits for them but the first optimizer step)."""
+        if resume is not None:
+            load_sharded(resume, self.trainer.model, self.trainer.optimizer)
+            self.trainer.record_policy()  # the history's copy of this step was taken before the load
+            log.info("resuming from %s (replaying logged steps up to %d)", resume.path, self.replay_until)
+            self._stage_policy()  # its checkpoint may be pruned, or from a run that published in fp32
+            if self._writer is not None and not self._kept(self.start_step):  # killed before it finished
+                self._writer.submit(self.start_step, self._staged(self.start_step))
+            return
+        self._stage_policy()
+        self._save_state(0)
+        if self._writer is not None and not self._kept(0):
+            self._writer.submit(0, self._staged(0))
 
     @property
     def step(self) -> int:
@@ -280,11 +330,36 @@ class TrainingSession:
 
     def logged_batches(self) -> dict[int, RolloutBatch]:
         """Logged batches for steps >= ``start_step`` (the --local run replays them), after dropping the
-        records every kept checkpoint already contains. Empty on ranks other than 0."""
+        records no resume can need any more. Empty on ranks other than 0."""
         if self.rollout_log is None:
             return {}
         self.rollout_log.compact(self._oldest_kept)  # older batches live on only in the weights
         return self.rollout_log.batches_from(self.start_step)
+
+    def replay(self, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+        """Rank 0: train again every logged step from ``start_step`` up to ``replay_until``, on all of
+        each step's logged batches (admitted again as at that step), so no batch trained before a kill
+        is lost (the networked trainer; --local interleaves its replay with generation). A step whose
+        batches are all refused now ends the replay."""
+        if self.rollout_log is None:
+            return []
+        self.rollout_log.compact(self._oldest_kept)
+        frames = _frames_by_step(self.rollout_log)
+        done: list[StepMetrics] = []
+        while self.step < self.replay_until:
+            prepared = []
+            for frame in frames.get(self.step, []):
+                try:
+                    prepared.append(self.admit(decode(frame, RolloutBatch)))
+                except (NodeError, RemoteProtocolError) as exc:
+                    log.warning("replaying step %d: a logged batch is refused now: %s", self.step, exc)
+            if not prepared:
+                break
+            metrics = self.train(prepared)
+            done.append(metrics)
+            if on_step is not None:
+                on_step(metrics)
+        return done
 
     def admit(self, batch: RolloutBatch, *, current_step: int | None = None) -> Prepared:
         """``prepare`` with this run's task, tokenizer and config (RejectedBatchError if refused), for a
@@ -298,7 +373,8 @@ class TrainingSession:
 
         ``frames``: the batches' codec frames, appended (fsynced) to the rollout log before the step
         trains on them; pass none for batches that are already logged (a replay). Rank 0 alone admits
-        (scoring may execute code): the merged batch goes to the other ranks as it is, never re-scored.
+        (scoring may execute code): the merged batch goes to the other ranks as it is, never re-scored,
+        with rank 0's decisions on the step's files (ranks measure different times: one decides).
         """
         if not self.dist.is_main:
             raise RuntimeError("ranks other than 0 train inside follow(), on rank 0's batches")
@@ -308,10 +384,19 @@ class TrainingSession:
         if self.rollout_log is not None:
             for frame in frames:
                 self.rollout_log.append(self.step, frame)  # durable before any training on it
+        after = self.step + 1
+        save = state_save_due(
+            every=None if self.config.checkpoint_every == "auto" else self.config.checkpoint_every,
+            step=after,
+            final=after >= self.config.max_steps,
+            seconds_since_save=self._since_save_s + self._last_step_s,
+            last_save_s=self._saver.last_seconds,
+        )
+        stage = not (after <= self.replay_until and self._hold_kept(after))
         if self.dist.world_size > 1:
             self._in_step = True  # from here on, the other ranks are inside this step's collectives
-            self.dist.broadcast_bytes(encode_prepared(merged))
-        return self._step(merged)
+            self.dist.broadcast_bytes(bytes([save | stage << 1]) + encode_prepared(merged))
+        return self._step(merged, save=save, stage=stage)
 
     def follow(self, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
         """Ranks > 0: train every step rank 0 broadcasts until rank 0's ``close``; the metrics of each."""
@@ -319,56 +404,82 @@ class TrainingSession:
             raise RuntimeError("rank 0 drives the session with train() and close()")
         done: list[StepMetrics] = []
         while message := self.dist.broadcast_bytes(None):
-            metrics = self._step(decode_prepared(message))
+            flags = message[0]
+            metrics = self._step(decode_prepared(message[1:]), save=bool(flags & 1), stage=bool(flags & 2))
             done.append(metrics)
             if on_step is not None:
                 on_step(metrics)
         self._stopped = True
         return done
 
-    def _step(self, merged: Prepared) -> StepMetrics:
-        """The step every rank runs (its collectives included), then rank 0's files."""
+    def _step(self, merged: Prepared, *, save: bool, stage: bool) -> StepMetrics:
+        """The step every rank runs (its collectives included), then rank 0's files. ``stage``: write the
+        new policy's weights file (not for a replayed step whose checkpoint is on disk already: peers may
+        hold those bytes); ``save``: start saving the training state (``state_save_due``)."""
         self._in_step = True
-        metrics = self.trainer.train_step(merged)
-        self._save_state()
-        self._stage_policy()
+        began = time.perf_counter()
+        metrics = self.trainer.train_step(merged)  # waits for the previous save before it updates
+        trained = time.perf_counter()
+        if stage:
+            self._stage_policy()
+        staged = time.perf_counter()
+        if save:
+            self._save_state(self.step)
+        ended = time.perf_counter()
         self._in_step = False
+        self.times["train_s"] += trained - began
+        self.times["policy_s"] += staged - trained
+        self.times["state_s"] += ended - staged
+        self._last_step_s = ended - began
+        self._since_save_s = 0.0 if save else self._since_save_s + self._last_step_s
         if self._writer is not None:
-            self._writer.submit(self.step, self._staged(self.step, "float32"))
+            if stage:
+                self._writer.submit(self.step, self._staged(self.step))
             self._prune_staging(self._writer.written)
             with open(self.config.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(asdict(metrics)) + "\n")
         return metrics
 
-    def _save_state(self) -> None:
-        """Collective: the sharded weights and AdamW state of the current step (resume needs them and
-        the step's Hugging Face checkpoint); rank 0 then drops those older than the resume point."""
-        save_sharded(
-            self.state_root,
-            self.step,
-            self.trainer.model,
-            self.trainer.optimizer,
-            meta={"run_id": self.config.run_id},
-        )
-        if self.dist.is_main:
-            sharded = list_sharded(self.state_root)
-            resume = _resume_point(list_checkpoints(self.checkpoint_root), sharded)
-            if resume is not None:
-                prune_sharded(self.state_root, sum(1 for c in sharded if c.step >= resume.step))
+    def _save_state(self, step: int) -> None:
+        """Collective: start saving the sharded weights and AdamW state of ``step`` in the background
+        (``AsyncShardedSaver``: the next optimizer step waits for it, nothing else does); the newest
+        complete one is kept. NodeError ``checkpoint_failed`` if the previous save failed."""
+        self._saver.submit(step, self.trainer.model, self.trainer.optimizer)
 
-    def _staged(self, step: int, dtype: str) -> Path:
-        return self.staging / f"step_{step:08d}.{dtype}.safetensors"
+    def _wait_for_state(self) -> None:
+        began = time.perf_counter()
+        self._saver.wait()
+        self.times["state_s"] += time.perf_counter() - began
 
-    def _stage_policy(self, *, master: bool = True) -> None:
-        """Collective: every rank writes its rows of the current policy into ``policy_staging``: the
-        fp32 master weights (``master``; the checkpoint's file) and, when the run publishes another
-        dtype, the weights in that dtype (what the --local inference child loads)."""
-        model, step = self.trainer.model, self.step
-        if master:
-            write_safetensors_shards(model, self._staged(step, "float32"))
+    def _kept(self, step: int) -> bool:
+        return any(c.step == step for c in list_checkpoints(self.checkpoint_root))
+
+    def _hold_kept(self, step: int) -> bool:
+        """Rank 0, for a replayed step: link its existing checkpoint's weights (in the published dtype)
+        into staging, so the step keeps the bytes peers may hold and the file stays whatever the writer
+        prunes; False if there is none (a kill may leave a half-pruned directory)."""
+        source = step_dir(self.checkpoint_root, step) / "model.safetensors"
+        if not self._kept(step) or weights_dtype(source) != self.config.published_dtype:
+            return False
+        target = self._staged(step)
+        try:
+            self.staging.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)
+            os.link(source, target)
+        except OSError:
+            return False
+        return True
+
+    def _staged(self, step: int) -> Path:
+        return self.staging / f"step_{step:08d}.{self.config.published_dtype}.safetensors"
+
+    def _stage_policy(self) -> None:
+        """Collective: every rank writes its rows of the current policy, in the published dtype, into
+        ``policy_staging``: the one file of this policy, which its checkpoint, the shared policy
+        directory and the --local inference child all link. The float32 master weights are in the
+        training state; nothing else writes them."""
         published = self.config.published_dtype
-        if published != "float32":
-            write_safetensors_shards(model, self._staged(step, published), dtype=getattr(torch, published))
+        write_safetensors_shards(self.trainer.model, self._staged(self.step), dtype=getattr(torch, published))
 
     def _prune_staging(self, written: int) -> None:
         """Rank 0: drop staged files no reader needs any more: older than the policies a batch may come
@@ -380,32 +491,51 @@ class TrainingSession:
                 item.unlink(missing_ok=True)
 
     def weights(self, step: int) -> Weights:
-        """Policy ``step``'s fp32 weights (CPU tensors, tied head left out), read from its file: its
-        checkpoint, or the staged file while the checkpoint is being finished (NodeError
-        ``missing_policy`` if pruned). A fresh copy for every call: nothing shares the trainer's
-        storage."""
-        final, staged = step_dir(self.checkpoint_root, step), self._staged(step, "float32")
+        """Policy ``step``'s weights as float32 CPU tensors (tied head left out), read from its file in
+        the published dtype: its checkpoint, or the staged file while the checkpoint is being finished
+        (NodeError ``missing_policy`` if pruned). A fresh copy for every call: nothing shares the
+        trainer's storage."""
+        final, staged = step_dir(self.checkpoint_root, step), self._staged(step)
         for directory, name in ((final, "model.safetensors"), (staged.parent, staged.name)) * 2:
             if (directory / name).is_file():
                 try:
-                    return read_weights(directory, name)
+                    found = read_weights(directory, name)
                 except NodeError:
                     if (directory / name).exists():
                         raise
-                    # renamed or pruned while read: the other location has it
+                    continue  # renamed or pruned while read: the other location has it
+                return {k: v.float() if v.is_floating_point() else v for k, v in found.items()}
         raise NodeError(f"weights of policy step {step} are not on disk any more", reason="missing_policy")
 
     def policy_file(self, step: int) -> Path:
         """The safetensors file of policy ``step`` in the run's published dtype (for a hand-off: link
         or copy it before the next step, which may prune it)."""
         published = self.config.published_dtype
-        for candidate in (
-            self._staged(step, published),
-            step_dir(self.checkpoint_root, step) / "model.safetensors",
-        ):
-            if candidate.is_file() and (published == "float32" or candidate.parent == self.staging):
+        for candidate in (self._staged(step), step_dir(self.checkpoint_root, step) / "model.safetensors"):
+            if candidate.is_file() and (
+                candidate.parent == self.staging or weights_dtype(candidate) == published
+            ):
                 return candidate
         raise NodeError(f"policy step {step} has no {published} file any more", reason="missing_policy")
+
+    def publish_policy(self, step: int) -> Path:
+        """Rank 0: ``OUT/policies/step_N``, the directory the networked trainer shares: the files peers
+        need, the weights a hard link to the policy's one file (``policy_file``; read and converted
+        only when that is gone, e.g. a checkpoint written in another dtype). Older ones beyond what
+        peers may still fetch are removed."""
+        root = self.config.output_dir / "policies"
+        source: Path | Weights
+        try:
+            source = self.policy_file(step)
+        except NodeError:
+            dtype = getattr(torch, self.config.published_dtype)
+            source = {
+                name: tensor.to(dtype).contiguous() if tensor.is_floating_point() else tensor
+                for name, tensor in self.weights(step).items()
+            }
+        final = write_policy_dir(root, step, source, self.base)
+        prune_step_dirs(root, step, self.config.checkpoints_to_keep + 2)
+        return final
 
     def evaluate(self, policy: int | Weights) -> float:
         """Held-out greedy accuracy in [0, 1] of policy ``policy`` (a step or its weights) over the run's
@@ -430,13 +560,24 @@ class TrainingSession:
 
     def close(self) -> None:
         """Rank 0: tell the other ranks to stop following (unless a step broke off midway: they are
-        stuck in its collectives and torchrun ends them), then wait for the checkpoints submitted so
-        far (NodeError ``checkpoint_failed`` if one failed). Idempotent."""
+        stuck in its collectives and torchrun ends them); every rank: wait for the training state being
+        saved, and rank 0 for the checkpoints submitted so far (NodeError ``checkpoint_failed`` if one
+        failed). Idempotent."""
+        broken = self._in_step
         try:
-            if self.dist.is_main and self.dist.world_size > 1 and not self._stopped and not self._in_step:
+            if self.dist.is_main and self.dist.world_size > 1 and not self._stopped and not broken:
                 self.dist.broadcast_bytes(b"")
         finally:  # a dead rank must not cost the checkpoints already queued
             self._stopped = True
             writer, self._writer = self._writer, None
-            if writer is not None:
-                writer.close()
+            try:
+                if not broken:  # a save's collectives would wait for ranks stuck in the broken step
+                    self._saver.close()
+            finally:
+                if writer is not None:
+                    writer.close()
+
+
+def _frames_by_step(rollout_log: RolloutLog | None) -> dict[int, list[bytes]]:
+    """The logged frames of each step (none without a log: ranks other than 0)."""
+    return rollout_log.frames_by_step() if rollout_log is not None else {}

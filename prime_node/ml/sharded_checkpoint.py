@@ -13,6 +13,11 @@ directory into place. A kill at any moment therefore leaves the previous checkpo
 temporary directory that nothing loads and the next save removes. The Hugging Face directories the swarm
 shares are written elsewhere (``checkpoint.py``); these hold what only the trainer needs to continue.
 
+``AsyncShardedSaver`` runs a save on a background thread over views of the live shards (no copy), on a
+process group of its own; the trainer's next optimizer step waits for it (the session wires
+``GRPOTrainer.before_update``), so the write overlaps the next forward and backward and never races the
+optimizer. ``state_save_due`` is the pure rule of when to save (``checkpoint_every``).
+
 DCP reads its ``.metadata`` with pickle and non-tensor items with ``torch.load(weights_only=False)``:
 here the metadata goes through an unpickler that resolves only DCP's own metadata classes, and nothing is
 stored as a non-tensor item (the optimizer's hyper-parameters live in ``complete.json``), so a tampered
@@ -30,6 +35,8 @@ import os
 import pickle
 import re
 import shutil
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -128,7 +135,7 @@ def _alone_is_intended() -> Iterator[None]:
         yield
 
 
-def _rank0_outcome(error: NodeError | None) -> None:
+def _rank0_outcome(error: NodeError | None, group: dist.ProcessGroup | None = None) -> None:
     """Every rank raises rank 0's NodeError (so no rank waits in a collective the others left)."""
     if not _distributed():
         if error is not None:
@@ -136,7 +143,7 @@ def _rank0_outcome(error: NodeError | None) -> None:
         return
     # Pickled by torch between the ranks of this one job (never read from disk or the network).
     outcome: list[list[str] | None] = [None if error is None else [str(error), error.reason]]
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0, group=group)
     failure = outcome[0]
     if failure is not None:
         raise NodeError(failure[0], reason=failure[1])
@@ -153,38 +160,174 @@ def save_sharded(
     Returns the checkpoint directory once it is visible to ``newest_sharded``. ``meta`` (JSON-able) comes
     back from ``load_sharded``. NodeError ``checkpoint_failed`` if writing fails on any rank.
     """
-    marker_meta = json.loads(json.dumps(meta))  # refuse what JSON cannot hold before any rank writes
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    tensors, groups = _split_optimizer_state(optimizer_state)
-    temp = _temp_dir(root, step)
-    error: NodeError | None = None
-    if _rank() == 0:
+    job = _SaveJob.of(root, step, model, optimizer, meta, None)
+    job.run()
+    if job.error is not None:
+        raise job.error
+    return sharded_dir(root, step)
+
+
+class _SaveJob:
+    """One save: the state's tensors as they are (views of the live shards, no copy) and what the marker
+    needs, captured on the caller's thread; ``run`` writes them (on any thread)."""
+
+    def __init__(
+        self,
+        root: Path,
+        step: int,
+        state: dict[str, Any],
+        groups: list[dict[str, object]],
+        meta: dict[str, object],
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.root, self.step, self.state, self.groups, self.meta, self.group = (
+            root,
+            step,
+            state,
+            groups,
+            meta,
+            group,
+        )
+        self.error: NodeError | None = None
+        self.seconds = 0.0
+
+    @classmethod
+    def of(
+        cls,
+        root: Path,
+        step: int,
+        model: Any,
+        optimizer: torch.optim.Optimizer,
+        meta: dict[str, object],
+        group: dist.ProcessGroup | None,
+    ) -> _SaveJob:
+        marker_meta = json.loads(json.dumps(meta))  # refuse what JSON cannot hold before any rank writes
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        tensors, groups = _split_optimizer_state(optimizer_state)
+        return cls(root, step, {"model": model_state, "optimizer": tensors}, groups, marker_meta, group)
+
+    def run(self) -> None:
+        began = time.perf_counter()
         try:
-            _remove_stale_temporaries(root)
-            temp.mkdir(parents=True)
-        except OSError as exc:
-            error = node_error_from_os(exc, f"preparing checkpoint directory {temp}")
-    _rank0_outcome(error)
-    try:
-        with _alone_is_intended():
-            dcp_save(
-                {"model": model_state, "optimizer": tensors},
-                storage_writer=FileSystemWriter(str(temp), sync_files=True),
-                no_dist=not _distributed(),
-            )
-    except CheckpointException as exc:  # raised on every rank when any rank failed
-        raise NodeError(
-            f"writing sharded checkpoint {temp} failed: {exc}", reason="checkpoint_failed"
-        ) from exc
-    final = sharded_dir(root, step)
-    if _rank() == 0:
+            self._write()
+        except NodeError as exc:
+            self.error = exc
+        finally:
+            self.state = {}  # the live tensors are not held past the save
+            self.seconds = time.perf_counter() - began
+
+    def _write(self) -> None:
+        root, step, group = self.root, self.step, self.group
+        temp = _temp_dir(root, step)
+        error: NodeError | None = None
+        if _rank() == 0:
+            try:
+                _remove_stale_temporaries(root)
+                temp.mkdir(parents=True)
+            except OSError as exc:
+                error = node_error_from_os(exc, f"preparing checkpoint directory {temp}")
+        _rank0_outcome(error, group)
         try:
-            _publish(root, temp, final, step, marker_meta, groups)
-        except (OSError, NodeError) as exc:
-            error = exc if isinstance(exc, NodeError) else node_error_from_os(exc, f"publishing {final}")
-            error = NodeError(str(error), reason="checkpoint_failed")
-    _rank0_outcome(error)
-    return final
+            with _alone_is_intended():
+                dcp_save(
+                    self.state,
+                    storage_writer=FileSystemWriter(str(temp), sync_files=True),
+                    process_group=group,
+                    no_dist=not _distributed(),
+                )
+        except CheckpointException as exc:  # raised on every rank when any rank failed
+            raise NodeError(
+                f"writing sharded checkpoint {temp} failed: {exc}", reason="checkpoint_failed"
+            ) from exc
+        final = sharded_dir(root, step)
+        if _rank() == 0:
+            try:
+                _publish(root, temp, final, step, self.meta, self.groups)
+            except (OSError, NodeError) as exc:
+                error = exc if isinstance(exc, NodeError) else node_error_from_os(exc, f"publishing {final}")
+                error = NodeError(str(error), reason="checkpoint_failed")
+        _rank0_outcome(error, group)
+
+
+class AsyncShardedSaver:
+    """``save_sharded`` off the training loop's path: ``submit`` captures the state (views of the live
+    shards: no copy, so no second 12 bytes per parameter in memory) and a background thread writes it.
+
+    Nothing may change the live weights or AdamW moments until the save is done: the trainer calls
+    ``wait`` right before its optimizer step (``GRPOTrainer.before_update``), which is the only thing
+    that changes them in place, and a step's forward and backward (most of its time) overlap the write.
+    The background saves talk over a gloo process group of their own (made here: construct on every
+    rank at the same point), so their collectives never interleave with the step's. One save at a
+    time; ``keep`` complete saves are kept (rank 0 prunes after publishing). Collective on every rank:
+    ``__init__``, ``submit`` (every rank the same steps) and ``close``.
+    """
+
+    def __init__(self, root: Path, *, meta: dict[str, object], keep: int = 1) -> None:
+        self.root, self.meta, self.keep = root, meta, keep
+        self._group = dist.new_group(backend="gloo") if _distributed() else None
+        self._thread: threading.Thread | None = None
+        self._job: _SaveJob | None = None
+        self.last_seconds: float | None = None
+        """Wall time of the last finished save (written in the background), for ``state_save_due``."""
+        self.saved_step: int | None = None
+        """The step of the last finished save."""
+
+    def submit(self, step: int, model: Any, optimizer: torch.optim.Optimizer) -> None:
+        """Start saving ``step`` (after the previous save has finished); NodeError ``checkpoint_failed``
+        if the previous one failed."""
+        self.wait()
+        job = _SaveJob.of(self.root, step, model, optimizer, self.meta, self._group)
+        self._job = job
+        self._thread = threading.Thread(target=self._run, args=(job,), name="state-saver", daemon=True)
+        self._thread.start()
+
+    def _run(self, job: _SaveJob) -> None:
+        torch.set_num_threads(1)  # per OS thread: serialising shards needs no pool beside the step's
+        job.run()
+        if job.error is None and _rank() == 0 and self.keep > 0:
+            prune_sharded(self.root, self.keep)
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None
+
+    def wait(self) -> None:
+        """Until the save under way (if any) is complete; NodeError if it failed."""
+        thread, job = self._thread, self._job
+        if thread is None or job is None:
+            return
+        thread.join()
+        self._thread = self._job = None
+        self.last_seconds = job.seconds
+        if job.error is not None:
+            raise job.error
+        self.saved_step = job.step
+
+    def close(self) -> None:
+        self.wait()
+
+
+def state_save_due(
+    *,
+    every: int | None,
+    step: int,
+    final: bool,
+    seconds_since_save: float,
+    last_save_s: float | None,
+    share: float = 0.1,
+) -> bool:
+    """Should the training state of ``step`` be saved? ``every``: after every that many steps (and the
+    final one). None ("auto"): when the last save's wall time is at most ``share`` of the training time
+    since it was started, so saving costs at most that share of the run's time, whatever the model and
+    disk (a save runs beside the next step, but it competes with it for cores, memory bandwidth and
+    disk); the first save (nothing measured yet) and the final step always save."""
+    if final or step == 0:
+        return True
+    if every is not None:
+        return step % every == 0
+    if last_save_s is None:
+        return True
+    return last_save_s <= share * seconds_since_save
 
 
 def _split_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, object]]]:
@@ -426,6 +569,7 @@ class _TensorsOnlyPlanner(DefaultLoadPlanner):
 
 __all__ = [
     "MARKER",
+    "AsyncShardedSaver",
     "ShardedCheckpoint",
     "list_sharded",
     "load_sharded",
@@ -433,4 +577,5 @@ __all__ = [
     "prune_sharded",
     "save_sharded",
     "sharded_dir",
+    "state_save_due",
 ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -385,6 +385,9 @@ class GRPOTrainer:
         self.history = PolicyHistory(config.async_level + 1 if recompute else 0, checkpoint_root)
         self.record_policy()
         self.checkpoint_root = checkpoint_root
+        self.before_update: Callable[[], None] | None = None
+        """Called right before the optimizer changes the weights and moments in place (the session's
+        background save of the training state waits there: ``AsyncShardedSaver``)."""
 
     def record_policy(self) -> None:
         """Keep the current weights (this rank's shards, copied) as policy ``self.step`` if the
@@ -504,6 +507,8 @@ class GRPOTrainer:
         if prepared.sequences:
             grad_norm = clip_gradients(self.model, cfg.grad_clip)
             if math.isfinite(grad_norm):
+                if self.before_update is not None:
+                    self.before_update()  # a background save still reading the weights finishes first
                 for group in self.optimizer.param_groups:
                     group["lr"] = learning_rate
                 self.optimizer.step()

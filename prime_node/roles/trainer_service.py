@@ -7,9 +7,10 @@ by ``prepare`` (run, shape, prompts, rewards recomputed; stale ones refused) and
 ``StepGatherer``; a step takes the informative groups of one policy step (see
 ``prime_node.roles.gather``) and trains one GRPO step through the ``TrainingSession`` the --local run
 drives too (``prime_node.ml.session``:
-resume, the fsynced rollout log before the step, checkpoints, evaluation), then writes the new policy
-as a Hugging Face directory and shares it. Held-out greedy accuracy is measured on the session's
-separate engine every ``eval_every`` steps without stopping the loop. Model work runs in worker
+resume, replaying the logged steps after the newest training state, the fsynced rollout log before the
+step, checkpoints, evaluation), then shares the new policy's Hugging Face directory (written by the
+session, a hard link to the same file as its checkpoint). Held-out greedy accuracy is measured on the
+session's separate engine every ``eval_every`` steps without stopping the loop. Model work runs in worker
 threads (one at a time for the training model, with the run's ``threads`` or every core this process may
 use: ``trainer_threads``; the evaluation beside it on one) so the node keeps serving
 pieces and gossip; under torchrun (``TrainerOptions.dist``) this is rank 0, and the step's collectives
@@ -21,8 +22,6 @@ Only the holder of the run's trainer key runs this (checked before anything star
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,13 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_CURVE_POINTS = 512
-POLICY_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-)
 
 
 class Sharer(Protocol):
@@ -231,7 +223,9 @@ class TrainerService:
         context.add_record_source(lambda: trainer)  # peers see this node as the run's trainer
         self.started_at = trio.current_time()
         self.session = await trio.to_thread.run_sync(self._open)
-        self.step = self.start_step = self.session.step
+        self.start_step = self.session.step
+        await trio.to_thread.run_sync(self._replay, limiter=self._model_lock)
+        self.step = self.session.step
         policy = await trio.to_thread.run_sync(self._write_policy, self.step)
         await self._share(policy, self.step)
         context.add_status_section("training", self.status)
@@ -367,56 +361,23 @@ class TrainerService:
     # -- policies: write, share, prune ---------------------------------------------------------------
 
     def _write_policy(self, step: int) -> Path:
-        """policies/step_N: the HF files peers need (config, tokenizer, safetensors), nothing private.
+        """policies/step_N, written by the session's one writer (``TrainingSession.publish_policy``): the
+        HF files peers need and a hard link to the policy's one weights file, the same bytes as its
+        checkpoint."""
+        assert self.session is not None
+        return self.session.publish_policy(step)
 
-        The weights are the session's file of that step in the published dtype, which every rank wrote
-        its rows of before the next optimizer step (``TrainingSession.policy_file``): hard-linked (copied
-        across file systems), never read into this process. Only a step whose file is gone (a resume
-        after staging was pruned) is read and converted here."""
-        from safetensors.torch import save_file
-
-        from prime_node.ml.checkpoint import step_dir
-
-        root = self.config.output_dir / "policies"
-        final = step_dir(root, step)
-        if (final / "model.safetensors").is_file():
-            return final
-        assert self.base is not None and self.session is not None
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for name in POLICY_FILES:
-            if (self.base / name).is_file():
-                shutil.copyfile(self.base / name, tmp / name)
-        try:
-            source: Path | None = self.session.policy_file(step)
-        except NodeError:
-            source = None
-        if source is not None:
-            _link_or_copy(source, tmp / "model.safetensors")
-        else:
-            weights = self._published(self.session.weights(step))
-            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.replace(tmp, final)
-        self._prune_policies(root, step)
-        return final
-
-    def _published(self, weights: Weights) -> Weights:
-        """The weights in the run's publish dtype (floating tensors only; the master copy stays float32)."""
+    def _replay(self) -> int:
+        """Train again the logged steps after the resumed training state (rank 0; the session hands them
+        to the other ranks), so no accepted batch trained before a kill is lost; how many."""
         import torch
 
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.config.published_dtype]
-        return {
-            name: tensor.to(dtype).contiguous() if tensor.is_floating_point() else tensor
-            for name, tensor in weights.items()
-        }
-
-    def _prune_policies(self, root: Path, newest: int) -> None:
-        keep = self.config.checkpoints_to_keep + 2  # peers may still fetch what they were told about
-        for item in root.iterdir():
-            name = item.name
-            if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) <= newest - keep:
-                shutil.rmtree(item, ignore_errors=True)
+        torch.set_num_threads(trainer_threads(self.config))
+        assert self.session is not None
+        done = self.session.replay(self._note)
+        if done:
+            log.info("replayed steps %d..%d from the rollout log", done[0].step - 1, done[-1].step)
+        return len(done)
 
     async def _share(self, directory: Path, step: int) -> None:
         """Publish policy ``step``: a delta against the previous policy, or a full snapshot every
@@ -492,12 +453,3 @@ class TrainerService:
             log.warning("stopping the other trainer ranks failed: %s", exc)
         else:
             self.stopped_ranks = True
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    """``target`` holding ``source``'s bytes: a hard link (the files are never rewritten in place), or a
-    copy where the two are on different file systems."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)

@@ -1,16 +1,25 @@
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 from crypto.keys import Address
 from prime_node.ml.checkpoint import (
+    POLICY_FILES,
     list_checkpoints,
     load_optimizer_state,
     prune_checkpoints,
+    prune_step_dirs,
     read_weights,
     save_checkpoint,
+    weights_dtype,
+    write_checkpoint,
+    write_policy_dir,
 )
 from prime_node.ml.model import load_model
 from prime_node.ml.rollout_log import RolloutLog
@@ -93,3 +102,40 @@ def test_rollout_log_survives_a_torn_tail_and_keeps_every_whole_record(tmp_path:
     raw[-3] ^= 0xFF  # corrupt the last record's frame: its digest no longer matches
     path.write_bytes(bytes(raw))
     assert len(RolloutLog(path)) == 1
+
+
+def test_the_shared_policy_and_its_checkpoint_are_one_file(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """One write per policy: the checkpoint and the shared directory hard-link the same weights file,
+    which keeps its bytes whichever directory is pruned first."""
+    staged = tmp_path / "staged.safetensors"
+    save_file({"w": torch.arange(6, dtype=torch.bfloat16)}, str(staged))
+    checkpoint = write_checkpoint(tmp_path / "checkpoints", 3, staged, None, tiny_model_dir, {"run_id": "r"})
+    policy = write_policy_dir(tmp_path / "policies", 3, staged, tiny_model_dir)
+    inode = staged.stat().st_ino
+    assert (checkpoint.path / "model.safetensors").stat().st_ino == inode
+    assert (policy / "model.safetensors").stat().st_ino == inode
+    assert not (policy / "trainer_state.json").exists()  # nothing private in what peers fetch
+    assert {p.name for p in policy.iterdir()} <= {*POLICY_FILES, "model.safetensors"}
+    assert weights_dtype(policy / "model.safetensors") == "bfloat16"
+    other = tmp_path / "other.safetensors"
+    save_file({"w": torch.zeros(6)}, str(other))
+    assert write_policy_dir(tmp_path / "policies", 3, other, tiny_model_dir) == policy  # kept as it was
+    assert (policy / "model.safetensors").stat().st_ino == inode
+    for step in (4, 5, 6):
+        write_policy_dir(tmp_path / "policies", step, other, tiny_model_dir)
+    prune_step_dirs(tmp_path / "policies", 6, 2)
+    assert sorted(p.name for p in (tmp_path / "policies").iterdir()) == ["step_00000005", "step_00000006"]
+    assert torch.equal(read_weights(checkpoint.path)["w"], torch.arange(6, dtype=torch.bfloat16))
+
+
+@given(st.binary(max_size=200))
+def test_a_weights_file_of_any_bytes_has_a_dtype_or_none(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.safetensors"
+        path.write_bytes(data)
+        assert weights_dtype(path) in (None, "float32", "bfloat16", "float16", "float64")
+    header = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.safetensors"
+        path.write_bytes(len(header).to_bytes(8, "little") + header + data[:4].ljust(4, b"\0"))
+        assert weights_dtype(path) == "float32"

@@ -36,7 +36,7 @@ exactly. 1e-4 relative leaves room for other machines' summation order while sti
 difference a different batch or a different starting policy makes."""
 
 
-def _write_config(path: Path, model_dir: Path, out: Path) -> None:
+def _write_config(path: Path, model_dir: Path, out: Path, checkpoint_every: int) -> None:
     path.write_text(
         "\n".join(
             [
@@ -51,6 +51,7 @@ def _write_config(path: Path, model_dir: Path, out: Path) -> None:
                 "threads = 1",
                 "learning_rate = 3e-3",
                 "eval_tasks = 0",
+                f"checkpoint_every = {checkpoint_every}",
                 # Rank 0 generates in a thread, not in a child that loads torch again in both runs (the
                 # child under torchrun is tests/ml/test_local_run.py's 2-rank run-trainer test; a killed
                 # trainer with its child, that file's SIGKILL test).
@@ -94,16 +95,17 @@ def _stop_tree(launcher: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.slow  # ~65 s per case on a loaded 2-core machine
-@pytest.mark.parametrize("killed_rank", [0, 1])
+@pytest.mark.parametrize(("killed_rank", "checkpoint_every"), [(0, 3), (1, 1)])
 def test_sigkilled_rank_resumes_from_sharded_checkpoint_losing_no_batch(
-    tiny_model_dir: Path, tmp_path: Path, killed_rank: int
+    tiny_model_dir: Path, tmp_path: Path, killed_rank: int, checkpoint_every: int
 ) -> None:
     """Killing rank 0 takes the rollout log and the checkpoint writer down mid-run (in the runs measured
     the resume point was a step behind the last trained one, so that step was retrained from the log);
-    killing rank 1 leaves torchrun to stop rank 0, which is blocked in the step's collectives."""
+    killing rank 1 leaves torchrun to stop rank 0, which is blocked in the step's collectives. With the
+    training state every 3 steps, the rerun replays the logged steps since the newest one."""
     out = tmp_path / "run"
     config = tmp_path / "run.toml"
-    _write_config(config, tiny_model_dir, out)
+    _write_config(config, tiny_model_dir, out, checkpoint_every)
     command = [sys.executable, "-m", "prime_node", "run-trainer", "--config", str(config), "--local"]
     command += ["--nproc", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -130,6 +132,7 @@ def test_sigkilled_rank_resumes_from_sharded_checkpoint_losing_no_batch(
     assert set(range(killed_at)) <= set(logged_before)  # every trained batch was logged first
     resume_point = newest_sharded(out / "train_state")
     assert resume_point is not None and 1 <= resume_point.step <= killed_at + 1
+    assert resume_point.step % checkpoint_every == 0
 
     rerun = subprocess.run(
         command, cwd=REPO, env=env, capture_output=True, text=True, timeout=480, check=False

@@ -26,7 +26,7 @@ from prime_node.config import RunConfig
 from prime_node.ml.checkpoint import list_checkpoints, read_weights
 from prime_node.ml.local_run import run_local
 from prime_node.ml.rollout_log import RolloutLog
-from prime_node.ml.sharded_checkpoint import list_sharded
+from prime_node.ml.sharded_checkpoint import list_sharded, newest_sharded
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,15 +82,22 @@ def test_local_run_learns_checkpoints_and_resumes_exactly(tiny_model_dir: Path, 
     assert [c.step for c in list_checkpoints(tmp_path / "straight" / "checkpoints")] == [3, 4, 5]
     assert len(RolloutLog(tmp_path / "straight" / "rollouts.log")) == 5
     assert len((tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()) == 5
-    first = run_local(_config(tmp_path / "split", tiny_model_dir, 3))
-    # As if killed after batch 2 was logged but before checkpoint 3 was written: batch 2 must be replayed.
-    shutil.rmtree(tmp_path / "split" / "checkpoints" / "step_00000003")
-    logged_batch_2 = RolloutLog(tmp_path / "split" / "rollouts.log").batches_from(2)[2]
-    resumed = run_local(_config(tmp_path / "split", tiny_model_dir, 5))
-    assert len(first.steps) == 3 and resumed.start_step == 2 and [m.step for m in resumed.steps] == [3, 4, 5]
-    log = RolloutLog(tmp_path / "split" / "rollouts.log")
-    assert sorted(log.batches_from(0)) == [1, 2, 3, 4]  # 0 compacted: it lives on in every kept checkpoint
-    assert log.batches_from(2)[2] == logged_batch_2  # replayed, not drawn again
+    split = tmp_path / "split"
+    first = run_local(_config(split, tiny_model_dir, 3, checkpoint_every=4))
+    # As if killed after batch 2 was logged but before step 3's training state and checkpoint were
+    # written: the only training state left is step 0's... which the newer one replaced, so the restart
+    # starts from the base model and replays batches 0, 1 and 2.
+    assert [s.step for s in list_sharded(split / "train_state")] == [3]
+    shutil.rmtree(split / "train_state" / "sharded_00000003")
+    shutil.rmtree(split / "checkpoints" / "step_00000003")
+    logged = RolloutLog(split / "rollouts.log").batches_from(0)
+    resumed = run_local(_config(split, tiny_model_dir, 5, checkpoint_every=4))
+    assert len(first.steps) == 3 and resumed.start_step == 0
+    assert [m.step for m in resumed.steps] == [1, 2, 3, 4, 5]
+    log = RolloutLog(split / "rollouts.log")
+    assert sorted(log.batches_from(0)) == [0, 1, 2, 3, 4]  # nothing compacted: the resume started at 0
+    assert all(log.batches_from(0)[k] == logged[k] for k in logged)  # replayed, not drawn again
+    assert [s.step for s in list_sharded(split / "train_state")] == [5]
     expected, got = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "split")
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
@@ -116,7 +123,8 @@ def test_sigkilled_trainer_resumes_and_loses_no_accepted_rollout(
     toml = tmp_path / "run.toml"
     # As a user runs it: the inference stage in its child process (the reference used a thread; the two
     # give the same run).
-    _write_toml(toml, _config(out, tiny_model_dir, steps, local_inference="process"))
+    # Training state every 4 steps: the rerun replays the logged steps after the newest one.
+    _write_toml(toml, _config(out, tiny_model_dir, steps, local_inference="process", checkpoint_every=4))
     command = [sys.executable, "-m", "prime_node", "run-trainer", "--config", str(toml), "--local"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -129,14 +137,17 @@ def test_sigkilled_trainer_resumes_and_loses_no_accepted_rollout(
     logged = len(RolloutLog(out / "rollouts.log"))
     last = list_checkpoints(out / "checkpoints")[-1].step
     assert 8 <= last < steps and logged >= last
-    oldest = list_checkpoints(out / "checkpoints")[0].step
+    state = newest_sharded(out / "train_state")
+    assert state is not None and state.step % 4 == 0
+    oldest = min(list_checkpoints(out / "checkpoints")[0].step, state.step)
     accepted = RolloutLog(out / "rollouts.log").batches_from(0)
     assert sorted(accepted) == list(range(len(accepted)))  # every accepted batch, in order, none torn
     untrained = {k for k in accepted if k >= last}  # accepted but in no checkpoint yet: must survive
     finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert finished.returncode == 0, finished.stderr
     after = RolloutLog(out / "rollouts.log").batches_from(0)
-    # The restart compacted batches already inside every kept checkpoint; none of the rest is missing.
+    # The restart compacted batches no resume can need (inside every kept checkpoint and the training
+    # state); none of the rest is missing.
     assert sorted(after) == list(range(oldest, steps))
     assert untrained <= set(after)
     assert all(after[k] == accepted[k] for k in accepted if k >= oldest)  # replayed, not redrawn

@@ -135,6 +135,11 @@ def scenario(model_dir: Path, out: Path, dist: DistInfo) -> dict[str, float]:
         return {}
     root = out / "checkpoints"
     staged_bf16 = read_weights(session.staging, "step_00000002.bfloat16.safetensors")
+
+    def published(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(torch.bfloat16) for k, v in weights.items()}
+
+    checkpoints = [read_weights(step_dir(root, k)) for k in (0, 1, 2)]
     return {
         "local_fraction": local / total,
         "aliased": float(aliased),
@@ -143,11 +148,15 @@ def scenario(model_dir: Path, out: Path, dist: DistInfo) -> dict[str, float]:
         "history_gap": _gap(old, start),
         "history_logits_gap": float((old_logits - logits_0).abs().max()),
         "trained_logits_moved": float((now_logits - logits_0).abs().max()),
-        "checkpoint_1_gap": _gap(read_weights(step_dir(root, 1)), after[1]),
-        "checkpoint_2_gap": _gap(read_weights(step_dir(root, 2)), after[2]),
+        # The checkpoints hold the policies as published (bf16 here): the one file the ranks wrote.
+        "checkpoint_1_gap": _gap(checkpoints[1], published(after[1])),
+        "checkpoint_2_gap": _gap(checkpoints[2], published(after[2])),
         "steps_moved": _gap(after[2], after[1]),
-        "checkpoint_0_gap": _gap(read_weights(step_dir(root, 0)), start),
-        "transformers_load_gap": _gap(model_weights(load_model(step_dir(root, 2))), after[2]),
+        "checkpoint_0_gap": _gap(checkpoints[0], published(start)),
+        "checkpoint_dtypes_ok": float(
+            all(t.dtype == torch.bfloat16 for c in checkpoints for t in c.values())
+        ),
+        "transformers_load_gap": _gap(model_weights(load_model(step_dir(root, 2))), published(after[2])),
         "bf16_file_gap": _gap(staged_bf16, {k: v.to(torch.bfloat16) for k, v in after[2].items()}),
         "bf16_dtypes_ok": float(all(t.dtype == torch.bfloat16 for t in staged_bf16.values())),
     }
@@ -169,6 +178,7 @@ def _check(result: dict[str, float], world_size: int) -> None:
     # The old policy's forward is policy 0's (same shards, same kernels), the trained one moved.
     assert result["history_logits_gap"] < TOLERANCE < 1e-3 < result["trained_logits_moved"]
     assert result["bf16_dtypes_ok"] == 1 and result["bf16_file_gap"] == 0
+    assert result["checkpoint_dtypes_ok"] == 1  # no float32 copy is written per step
     # Each rank holds its own rows only (plus at most one row per tensor from uneven chunks).
     assert result["local_fraction"] <= 1 / world_size + 0.02
 

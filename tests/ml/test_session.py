@@ -20,14 +20,16 @@ from prime_node.ml.model import load_model
 from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch
 from prime_node.ml.rollout_log import RolloutLog
 from prime_node.ml.session import TrainingSession, merge_prepared
+from prime_node.ml.sharded_checkpoint import list_sharded
 from prime_node.ml.trainer import Prepared, RejectedBatchError
 from protocol.codec import encode
 from protocol.rollouts import RolloutBatch
 
 
-def _config(out: Path, model: Path) -> RunConfig:
+def _config(out: Path, model: Path, checkpoint_every: int = 2) -> RunConfig:
     return RunConfig.model_validate(
         {
+            "checkpoint_every": checkpoint_every,
             "model_dir": str(model),
             "output_dir": str(out),
             "max_steps": 10,
@@ -72,7 +74,7 @@ def test_a_session_trains_checkpoints_and_resumes_with_its_optimizer(
     config = _config(out, tiny_model_dir)
     first = TrainingSession(config, base=tiny_model_dir)
     assert first.start_step == first.step == 0 and first.source == tiny_model_dir
-    assert [c.step for c in list_checkpoints(out / "checkpoints")] == [0]  # written before any step
+    assert first.policy_file(0).is_file()  # staged before any step; its checkpoint finishes in the background
     batches = _batches(first, tiny_model_dir)
     for k, batch in enumerate(batches):
         metrics = first.train([first.admit(batch)], [encode(batch)])
@@ -92,7 +94,7 @@ def test_a_session_trains_checkpoints_and_resumes_with_its_optimizer(
 
     again = TrainingSession(config, base=tiny_model_dir)
     try:
-        assert again.start_step == again.step == 2 and again.source == out / "checkpoints" / "step_00000002"
+        assert again.start_step == again.step == again.replay_until == 2 and again.source == tiny_model_dir
         resumed_moments, _ = optimizer_snapshot(again.trainer.optimizer)
         assert resumed_moments.keys() == moments.keys()
         assert all(torch.equal(resumed_moments[k], moments[k]) for k in moments)
@@ -107,9 +109,43 @@ def test_a_session_trains_checkpoints_and_resumes_with_its_optimizer(
         again.close()
 
 
-def test_logged_batches_after_the_newest_checkpoint_are_offered_for_replay(
+def test_logged_batches_after_the_newest_training_state_are_replayed(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    """checkpoint_every 3: policies 1 and 2 have checkpoints, the training state only step 0; a restart
+    replays the logged steps 0 and 1 onto it (keeping the checkpoints peers may hold) and reaches the
+    state the first session ended in."""
+    out = tmp_path / "run"
+    config = _config(out, tiny_model_dir, checkpoint_every=3)
+    session = TrainingSession(config, base=tiny_model_dir)
+    batches = _batches(session, tiny_model_dir)
+    for batch in batches:
+        session.train([session.admit(batch)], [encode(batch)])
+    moments, _ = optimizer_snapshot(session.trainer.optimizer)
+    session.close()
+    assert [c.step for c in list_sharded(out / "train_state")] == [0]
+    kept = (out / "checkpoints" / "step_00000002" / "model.safetensors").stat().st_ino
+    resumed = TrainingSession(config, base=tiny_model_dir)
+    try:
+        assert (resumed.start_step, resumed.replay_until) == (0, 2)
+        assert resumed.logged_batches() == {0: batches[0], 1: batches[1]}
+        replayed = resumed.replay()
+        assert [m.step for m in replayed] == [1, 2] and resumed.step == 2
+        assert len(RolloutLog(out / "rollouts.log")) == 2  # replayed, not appended again
+        again, _ = optimizer_snapshot(resumed.trainer.optimizer)
+        for name, value in moments.items():  # same process, same batches: the replay lands where it was
+            assert torch.allclose(_local(again[name]), _local(value), rtol=1e-5, atol=1e-7), name
+        assert (out / "checkpoints" / "step_00000002" / "model.safetensors").stat().st_ino == kept
+    finally:
+        resumed.close()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-rank FSDP2 DTensor's whole local tensor (comparisons between DTensors need a mesh op)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def test_a_lost_training_state_is_rebuilt_from_the_log(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     config = _config(out, tiny_model_dir)
     session = TrainingSession(config, base=tiny_model_dir)
@@ -117,13 +153,12 @@ def test_logged_batches_after_the_newest_checkpoint_are_offered_for_replay(
     for batch in batches:
         session.train([session.admit(batch)], [encode(batch)])
     session.close()
-    shutil.rmtree(out / "checkpoints" / "step_00000002")  # as if killed before it was written
+    shutil.rmtree(out / "train_state" / "sharded_00000002")  # as if killed before it was written
     resumed = TrainingSession(config, base=tiny_model_dir)
     try:
-        assert resumed.start_step == 1
-        assert resumed.logged_batches() == {1: batches[1]}
-        resumed.train([resumed.admit(batches[1])])  # a replay: already logged, not appended again
-        assert len(RolloutLog(out / "rollouts.log")) == 2
+        assert (resumed.start_step, resumed.replay_until) == (0, 2)
+        resumed.replay()
+        assert resumed.step == 2 and resumed.policy_file(2).is_file()
     finally:
         resumed.close()
 
