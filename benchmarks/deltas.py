@@ -16,6 +16,14 @@ the next encoded, applied and checked byte-identical:
   group has its completion replaced by the right answer before the batch is admitted; the rest of the batch,
   the rewards, the advantages and the step are the project's own.
 
+- ``throughput`` (issue 32): encode and apply speed at Qwen3-0.6B's shape (``write_model_dir("qwen3",
+  "0.6b", seed, vocab_size=4096)``: 445M parameters, a 0.89 GB bf16 file). Training it on this machine
+  takes minutes a step, so its consecutive policies are made as the trainer makes them, without the
+  gradient: float32 master weights (the initial bf16 values, each moved by up to 2^-9 of itself: masters
+  sit between bf16 values), each step moved by a uniform ±``--lr`` (Adam's update is about ±lr per weight)
+  and published rounded to bf16. ``encode_s_per_gb`` and ``apply_s_per_gb`` are against copying the same
+  directory (``shutil.copytree``, page cache) in the same run (``copy_s_per_gb``).
+
 Timings are on this machine's CPU, with ``torch`` at one thread; ``full_copy_s`` (copying the full published
 directory) is the baseline the apply time is compared with. Prints ONE JSON line.
 """
@@ -26,6 +34,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -163,12 +172,86 @@ def _deltas(versions: list[Path], work: Path) -> dict[str, Any]:
     }
 
 
+def _throughput(work: Path, seed: int, lr: float, steps: int) -> dict[str, Any]:
+    """Encode and apply speed at the 0.6b shape in bf16 (see the module doc), against a copy."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from prime_node.ml.architectures import write_model_dir
+    from prime_node.swarm.delta_codec import apply_delta, encode_delta
+
+    model = write_model_dir("qwen3", "0.6b", seed, work / "model", vocab_size=4096, dtype="bfloat16")
+    generator = torch.Generator().manual_seed(seed)
+    masters = load_file(str(model / "model.safetensors"))
+    for name, tensor in masters.items():
+        jitter = (torch.rand(tensor.shape, generator=generator) * 2 - 1) * 2**-9
+        masters[name] = tensor.float() * (1 + jitter)
+    versions = []
+    for step in range(steps + 1):
+        out = work / f"step_{step}"
+        shutil.copytree(model, out, ignore=shutil.ignore_patterns("model.safetensors"))
+        save_file(
+            {name: master.to(torch.bfloat16) for name, master in masters.items()},
+            str(out / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        versions.append(out)
+        for master in masters.values():
+            master.add_((torch.rand(master.shape, generator=generator) * 2 - 1) * lr)
+    del masters
+    shutil.rmtree(model)
+    encode_s, apply_s, copy_s, ratios, changed = [], [], [], [], []
+    full_bytes = 0
+    for index, (base, target) in enumerate(itertools.pairwise(versions)):
+        delta, out, copy = work / f"delta_{index}", work / f"out_{index}", work / f"copy_{index}"
+        stats = encode_delta(base, target, delta)
+        began = time.perf_counter()
+        apply_delta(base, delta, out, max_output_bytes=stats.full_bytes)
+        apply_s.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        shutil.copytree(target, copy)
+        copy_s.append(time.perf_counter() - began)
+        for path in sorted(target.iterdir()):
+            if (out / path.name).read_bytes() != path.read_bytes():
+                raise SystemExit(f"0.6b delta {index}: {path.name} was not reconstructed byte-identical")
+        shutil.rmtree(out)
+        shutil.rmtree(copy)
+        delta.unlink()
+        encode_s.append(stats.seconds)
+        ratios.append(stats.delta_bytes / stats.full_bytes)
+        changed.append(stats.changed_values / stats.total_values)
+        full_bytes = stats.full_bytes
+    gb = full_bytes / 1e9
+    encode, apply, copy_mean = (sum(x) / len(x) for x in (encode_s, apply_s, copy_s))
+    return {
+        "full_bytes": full_bytes,
+        "lr": lr,
+        "deltas": len(ratios),
+        "ratio_mean": sum(ratios) / len(ratios),
+        "changed_fraction": sum(changed) / len(changed),
+        "encode_s_per_gb": encode / gb,
+        "apply_s_per_gb": apply / gb,
+        "copy_s_per_gb": copy_mean / gb,
+        "encode_gb_per_s": gb / encode,
+        "apply_gb_per_s": gb / apply,
+        "encode_vs_copy": encode / copy_mean,
+        "apply_vs_copy": apply / copy_mean,
+        "encode_s": [round(x, 3) for x in encode_s],
+        "apply_s": [round(x, 3) for x in apply_s],
+        "copy_s": [round(x, 3) for x in copy_s],
+        "load_average": os.getloadavg()[0],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="consecutive GRPO steps (deltas) per model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the small model")
     parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument("--skip-small", action="store_true", help="skip the trained small-model run")
+    parser.add_argument("--skip-throughput", action="store_true", help="skip the 0.6b encode/apply speed")
+    parser.add_argument("--throughput-deltas", type=int, default=2, help="0.6b deltas timed")
     args = parser.parse_args()
     if args.lr > 1e-5:
         parser.error("--lr must be at most 1e-5 (the RL fine-tuning regime the bf16 goal is about)")
@@ -208,6 +291,19 @@ def main() -> None:
                 "demo_full_fallback": found["ratio_max"] > MAX_SHARE,
                 "demo": {**found, "lr": 5e-4, "groups_kept_per_step": kept, "train_s_per_step": step_s},
             }
+        if not args.skip_throughput:
+            found = _throughput(work / "throughput", args.seed, args.lr, args.throughput_deltas)
+            shutil.rmtree(work / "throughput")
+            result |= {
+                "encode_gb_per_s_06b": found["encode_gb_per_s"],
+                "apply_gb_per_s_06b": found["apply_gb_per_s"],
+                "encode_vs_copy_06b": found["encode_vs_copy"],
+                "apply_vs_copy_06b": found["apply_vs_copy"],
+                "throughput_06b": found,
+            }
+        if args.skip_small:
+            print(json.dumps(result))
+            return
         small = write_model_dir("qwen3", "small", args.seed, work / "small_model")
         config = RunConfig(**common, group_size=8, prompts_per_step=8, temperature=1.0, learning_rate=args.lr)
         published, kept, step_s = _train(

@@ -18,13 +18,14 @@ keeps the newest ``keep`` complete versions (K = async level + 1). A restarted n
 versions and resumes unfinished ones from their verified pieces.
 
 Deltas (docs/weight-swarm.md, "Deltas"): ``publish`` always builds, signs and seeds the full version of a
-step and, given the directory of a full version it holds as the base, also a delta version, announced
-instead of the full one when it is small enough. A peer given a delta (followed, or ``fetch`` of its id)
-rebuilds the full version from a full version it holds, through a chain of up to ``MAX_CHAIN`` known
-deltas if need be, checks it piece by piece against the target's own signed manifest and then holds and
-serves that full version; when no chain reaches a held version, or a delta does not rebuild the target
-(``bad_delta``), it fetches the full version instead. ``locate``, ``newest`` and ``wait_newer`` only ever
-name full directories.
+step and, given the directory of a full version it holds as the base, also a delta version, encoded in
+the background and announced instead of the full one when it is small enough and ready within
+``DELTA_WAIT`` of it (else after it: a slow delta never delays a policy; docs/deltas.md). A peer given
+a delta (followed, or ``fetch`` of its id) rebuilds the full version from a full version it holds,
+through a chain of up to ``MAX_CHAIN`` known deltas if need be, checks it piece by piece against the
+target's own signed manifest and then holds and serves that full version; when no chain reaches a held
+version, or a delta does not rebuild the target (``bad_delta``), it fetches the full version instead.
+``locate``, ``newest`` and ``wait_newer`` only ever name full directories.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import logging
 import math
 import random
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,7 +48,7 @@ from prime_node.errors import NodeError
 from prime_node.node.clock import NodeClock
 from prime_node.node.context import NodeContext, RecordPart
 from prime_node.node.gossip import Delivered
-from prime_node.swarm.checkpoint import build_checkpoint
+from prime_node.swarm.checkpoint import SharedCheckpoint, build_checkpoint
 from prime_node.swarm.delta_versions import MAX_CHAIN, Published, encode_delta_version, rebuild_full
 from prime_node.swarm.exchange import VersionExchange
 from prime_node.swarm.holdings import Holdings
@@ -70,6 +73,22 @@ TICK = 0.25
 """Seconds between ticks: request timeouts, super-seeding deadlines (as short as 0.25 s), expiring waits."""
 FOLLOW_MANIFEST_WAIT = 60.0
 """How long following (or a delta) waits for a full version's manifest before giving up on it."""
+DELTA_WAIT = 5.0
+"""Seconds ``publish`` holds back a step's announcement for its delta once the full version is ready: a
+peer that hears of the full version first fetches it whole, so a delta announced later only serves late
+peers. A delta slower than this never delays the policy further (it is announced when it is ready)."""
+
+
+@dataclass
+class _DeltaJob:
+    """A delta ``publish`` encodes in the background: the outcome, and who announces it."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    published: Published | None = None
+    announced: SharedCheckpoint | None = None
+    """The delta version, when one was kept."""
+    late: bool = False
+    """``publish`` stopped waiting and announced the full version: the job announces the delta itself."""
 
 
 class SwarmService:
@@ -138,6 +157,8 @@ class SwarmService:
         """The step of the delta each of those goes through: a rebuild only waits for an older one, so
         deltas a trainer signed in a circle (A from B, B from A) cannot make two rebuilds wait for each
         other."""
+        self._encoding = trio.Lock()
+        """Held while a delta is encoded: the encodes of successive steps take turns on the cores."""
         self._opening: dict[bytes, trio.Event] = {}
         """Versions whose piece store is being opened (in a worker thread): set when it is held, or not."""
         self.reconstructions = 0
@@ -252,11 +273,16 @@ class SwarmService:
         snapshot: bool = False,
         max_delta_share: float = 0.5,
         piece_size: int | None = None,
+        delta_wait: float = DELTA_WAIT,
+        on_delta: Callable[[Published], None] | None = None,
     ) -> Published:
         """Share ``directory`` as step ``step``: its full version is always hashed, signed and seeded.
         Unless ``snapshot``, when ``delta_base`` is the directory of a full version this service holds,
-        a delta against it is encoded too; if it is at most ``max_delta_share`` of the full size it is
-        signed, seeded and announced instead of the full version (peers without the base fetch that)."""
+        a delta against it is encoded too, in the background; if it is at most ``max_delta_share`` of the
+        full size it is signed, seeded and announced instead of the full version (peers without the base
+        fetch that) when it is ready within ``delta_wait`` seconds of the full version. Otherwise the full
+        version is announced then (reason ``encoding``) and the delta, once ready, announced after it
+        (for peers that did not start on the full version yet), and ``on_delta`` gets its outcome."""
         if self.trainer is not None and self.key.address != self.trainer:
             raise NodeError(
                 f"only the run's trainer {self.trainer} may share checkpoints "
@@ -270,49 +296,100 @@ class SwarmService:
             )
         )
         full = shared.manifest
+        mid = full.id()
         base = self._held_full_at(delta_base)
         reason = "snapshot" if snapshot else "no_base" if delta_base is None else "base_not_held"
-        delta, delta_bytes, seconds = None, 0, 0.0
-        if not snapshot and base is not None and base.manifest.id() == full.id():
+        if not snapshot and base is not None and base.manifest.id() == mid:
             reason = "unchanged"
         elif not snapshot and base is not None:
-            assert base.path is not None
-            base_path, base_id = base.path, base.manifest.id()
-            delta, stats = await trio.to_thread.run_sync(
-                lambda: encode_delta_version(
-                    base_path,
-                    directory,
-                    self.layout.checkpoints,
-                    self.key,
-                    full=full,
-                    base_id=base_id,
-                    now_ms=now_ms,
-                    max_bytes=int(max_delta_share * full.total_size),
+            job = _DeltaJob()
+            max_bytes = int(max_delta_share * full.total_size)
+            self.nursery.start_soon(
+                self._encode_delta, job, base, directory, shared, now_ms, max_bytes, on_delta
+            )
+            with trio.move_on_after(delta_wait):
+                await job.done.wait()
+            if job.published is not None:
+                self._hold_origin(shared, directory)  # after the delta: neighbours are offered that first
+                announced = job.announced if job.announced is not None else shared
+                return await self._announce_published(job.published, announced)
+            job.late = True
+            reason = "encoding"
+        self._hold_origin(shared, directory)
+        return await self._announce_published(
+            Published(
+                full=full,
+                delta=None,
+                full_bytes=full.total_size,
+                delta_bytes=0,
+                encode_seconds=0.0,
+                reason=reason,
+            ),
+            shared,
+        )
+
+    def _hold_origin(self, shared: SharedCheckpoint, directory: Path) -> None:
+        """Seed the full version the trainer just built from its own directory."""
+        if shared.manifest_id not in self.versions:
+            source = OriginDirectory(directory, shared.manifest)
+            self._hold(
+                self.holdings.add(
+                    shared.manifest, shared.envelope, source, store=None, path=directory, origin=True
                 )
             )
-            delta_bytes, seconds = stats.delta_bytes, stats.seconds
-            reason = "too_large" if delta is None else "delta"
-        # Held (so offered) before the full version: a neighbour hears of the delta first and takes it.
-        if delta is not None and not self._hold_delta(delta.manifest, delta.envelope, delta.directory):
-            delta, reason = None, "not_kept"
-        mid = full.id()
-        if mid not in self.versions:
-            source = OriginDirectory(directory, full)
-            self._hold(
-                self.holdings.add(full, shared.envelope, source, store=None, path=directory, origin=True)
-            )
-        announced = delta if delta is not None else shared
+
+    async def _announce_published(self, published: Published, announced: SharedCheckpoint) -> Published:
+        """Announce ``announced`` (the delta of ``published``, or its full version) and log it."""
         await self._announce(announced.manifest, announced.envelope)
         self.exchange.apply(self.catalogue.retain())
         log.info(
             "sharing step %d as %s (%d pieces; %s%s)",
-            step,
+            published.full.step,
             announced.manifest_id.hex(),
             announced.manifest.piece_count,
-            reason,
-            f", {delta_bytes} of {full.total_size} bytes" if delta_bytes else "",
+            published.reason,
+            f", {published.delta_bytes} of {published.full_bytes} bytes" if published.delta_bytes else "",
         )
-        return Published(
+        return published
+
+    async def _encode_delta(
+        self,
+        job: _DeltaJob,
+        base: Version,
+        directory: Path,
+        shared: SharedCheckpoint,
+        now_ms: int,
+        max_bytes: int,
+        on_delta: Callable[[Published], None] | None,
+    ) -> None:
+        """Encode, sign and seed the delta of ``shared`` against ``base`` (one at a time: encodes share the
+        cores), then hand it to ``publish`` or, if it stopped waiting, announce it here."""
+        full = shared.manifest
+        assert base.path is not None
+        base_path, base_id = base.path, base.manifest.id()
+        delta, delta_bytes, seconds, reason = None, 0, 0.0, "not_kept"
+        try:
+            async with self._encoding:
+                delta, stats = await trio.to_thread.run_sync(
+                    lambda: encode_delta_version(
+                        base_path,
+                        directory,
+                        self.layout.checkpoints,
+                        self.key,
+                        full=full,
+                        base_id=base_id,
+                        now_ms=now_ms,
+                        max_bytes=max_bytes,
+                    )
+                )
+            delta_bytes, seconds = stats.delta_bytes, stats.seconds
+            reason = "too_large" if delta is None else "delta"
+        except NodeError as exc:  # e.g. the trainer removed a directory meanwhile: the full version stands
+            log.warning("could not encode the delta of step %d: %s", full.step, exc)
+        # Held (so offered) before it is announced: a neighbour hears of the delta first and takes it.
+        if delta is not None and not self._hold_delta(delta.manifest, delta.envelope, delta.directory):
+            delta, reason = None, "not_kept"
+        published = Published(
             full=full,
             delta=delta.manifest if delta is not None else None,
             full_bytes=full.total_size,
@@ -320,6 +397,13 @@ class SwarmService:
             encode_seconds=seconds,
             reason=reason,
         )
+        job.published, job.announced = published, delta
+        job.done.set()
+        if job.late:
+            if delta is not None:
+                await self._announce_published(published, delta)
+            if on_delta is not None:
+                on_delta(published)
 
     def _held_full_at(self, directory: Path | None) -> Version | None:
         if directory is None:

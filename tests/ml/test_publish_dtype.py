@@ -48,7 +48,7 @@ def _service(tmp_path: Path, model: Path, **overrides: object) -> TrainerService
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ({}, torch.float32),  # auto follows inference_dtype (float32 by default)
+        ({}, torch.bfloat16),  # auto: bfloat16, whatever inferers compute in (float32 by default)
         ({"publish_dtype": "bfloat16"}, torch.bfloat16),
         ({"inference_dtype": "bfloat16", "validator_dtype": "float32"}, torch.bfloat16),
         (

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from prime_node.errors import NodeError
 from prime_node.swarm.delta_codec import (
+    _MANTISSA_BITS,
     CHUNK_SPARSE,
     FILE_RAW,
     FILE_TENSORS,
@@ -29,6 +30,9 @@ from prime_node.swarm.delta_codec import (
     VERSION,
     DeltaError,
     DeltaStats,
+    _Tensor,
+    _visit,
+    _visit_order,
     apply_delta,
     encode_delta,
 )
@@ -424,3 +428,52 @@ def test_an_existing_output_directory_is_not_touched(small_base: Path, tmp_path:
         apply_delta(small_base, tmp_path / "d", tmp_path / "out", max_output_bytes=1 << 20)
     assert info.value.reason == "output_exists"
     assert _files(tmp_path / "out") == {"keep": b"mine"}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_delta_and_its_output_do_not_depend_on_the_threads(
+    model_dirs: dict[str, Path], precision: str, tmp_path: Path
+) -> None:
+    """Chunks are coded in a thread pool and written in order: any thread count gives the same bytes."""
+    base = model_dirs[precision]
+    target = _variant(base, tmp_path / "target", _perturb(0.3, seed=3))
+    deltas = []
+    for threads in (1, 3):
+        delta = tmp_path / f"{threads}.delta"
+        encode_delta(base, target, delta, chunk_bytes=MIN_CHUNK_BYTES, threads=threads)
+        deltas.append(delta.read_bytes())
+        out = tmp_path / f"out-{threads}"
+        apply_delta(base, delta, out, max_output_bytes=1 << 30, threads=4 - threads)
+        assert _files(out) == _files(target)
+    assert deltas[0] == deltas[1]
+    with pytest.raises(ValueError, match="threads"):
+        encode_delta(base, target, tmp_path / "none.delta", threads=0)
+
+
+_FLOAT_TENSORS = [("BF16", 2), ("F16", 2), ("F32", 4), ("F64", 8), ("F8_E4M3", 1), ("F8_E5M2", 1)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(_FLOAT_TENSORS),
+    data=st.binary(min_size=8, max_size=4096),
+    flag_seed=st.integers(0, 2**32 - 1),
+)
+def test_the_visiting_order_is_the_stable_sort_of_the_base_exponents(
+    kind: tuple[str, int], data: bytes, flag_seed: int
+) -> None:
+    """The one-key sort (exponent, index, flag) is exactly a stable argsort of the exponents, and the
+    flag bit gives the flagged elements' visiting positions."""
+    dtype, width = kind
+    count = len(data) // width
+    old = np.frombuffer(data[: count * width], dtype=f"<u{width}")
+    tensor = _Tensor("t", dtype, 0, count * width, width)
+    mantissa = _MANTISSA_BITS[dtype]
+    exponent = (old >> old.dtype.type(mantissa)) & old.dtype.type((1 << (8 * width - mantissa - 1)) - 1)
+    expected = np.argsort(exponent, kind="stable")
+    order = _visit_order(old, tensor)
+    assert order is not None and np.array_equal(order, expected)
+    flags = np.random.default_rng(flag_seed).random(count) < 0.3
+    flagged_order, positions = _visit(old, tensor, flags)
+    assert np.array_equal(flagged_order, expected)
+    assert positions is not None and np.array_equal(positions, np.flatnonzero(flags[expected]))
