@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -10,6 +11,8 @@ import typer
 
 from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, with_node_flags
 from prime_node.errors import NodeError
+from prime_node.roles.rendezvous import Rendezvous, parse_rendezvous
+from prime_node.roles.rendezvous import gloo_interface as find_interface
 
 if TYPE_CHECKING:
     from prime_node.hardware import GpuSelection
@@ -45,6 +48,23 @@ def run_trainer(
             "--gpu", help="GPUs to train on: auto, none (CPU), or indices such as 0,1 (one per --nproc rank)."
         ),
     ] = "auto",
+    nnodes: Annotated[
+        int, typer.Option("--nnodes", help="Machines in a multi-node run (each runs --nproc ranks).")
+    ] = 1,
+    node_rank: Annotated[
+        int, typer.Option("--node-rank", help="This machine's place among --nnodes (node 0 holds the key).")
+    ] = 0,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option("--rdzv-endpoint", help="Multi-node: node 0's HOST:PORT, where every node meets."),
+    ] = None,
+    gloo_interface: Annotated[
+        str | None,
+        typer.Option(
+            "--gloo-interface",
+            help="Network interface for gloo (default: lo on one node, else the one towards the endpoint).",
+        ),
+    ] = None,
     node: NodeFlags = DEFAULT_FLAGS,
     exit_when_done: Annotated[
         bool,
@@ -56,10 +76,14 @@ def run_trainer(
     Without --local this is the networked trainer node: it must hold the run's trainer key, shares each
     policy through the weight swarm, gossips the signed run config, and trains only on batches its
     trusted validators accepted. Networking flags are those of `join`. With --nproc N either way runs
-    under torchrun; networked, rank 0 is the node and the other ranks only train."""
+    under torchrun; networked, rank 0 is the node and the other ranks only train. Across machines, run
+    it on each with --nnodes, its --node-rank and node 0's --rdzv-endpoint; only node 0 needs the key,
+    and the output directory must be storage every machine shares (docs/quickstart.md)."""
     from prime_node.config import load_run_config
     from prime_node.hardware import parse_gpu_selection
 
+    rendezvous = parse_rendezvous(nnodes, node_rank, rdzv_endpoint, gloo_interface)
+    rendezvous = dataclasses.replace(rendezvous, interface=find_interface(rendezvous))
     gpus = parse_gpu_selection(gpu)
     overrides: dict[str, object] = {}
     if model is not None:
@@ -72,15 +96,15 @@ def run_trainer(
         overrides["train_dtype"] = _train_dtype(dtype)
     run = load_run_config(config, overrides=overrides)  # fail fast, before spawning anything
     if not local:
-        _networked(run, node, exit_when_done=exit_when_done, nproc=nproc, gpus=gpus)
+        _networked(run, node, exit_when_done=exit_when_done, nproc=nproc, gpus=gpus, rendezvous=rendezvous)
         return
     args = ["--config", str(config)] + [
         arg for key, value in overrides.items() for arg in (f"--{key.replace('_', '-')}", str(value))
     ]
-    if nproc > 1:
+    if nproc > 1 or rendezvous.multi_node:
         from prime_node.roles.trainer_ranks import run_torchrun
 
-        run_torchrun("prime_node.ml.dist_entry", [*args, "--gpu", str(gpus)], nproc)
+        run_torchrun("prime_node.ml.dist_entry", [*args, "--gpu", str(gpus)], nproc, rendezvous=rendezvous)
         return
     from prime_node.ml.distributed import init_from_env
     from prime_node.ml.local_run import run_local
@@ -116,13 +140,31 @@ def _train_dtype(name: str) -> str:
     return _DTYPE_NAMES[name]
 
 
-def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int, gpus: GpuSelection) -> None:
-    """The networked trainer node (prime_node/roles/trainer_node.py); with ``nproc`` > 1 its rank 0,
-    under torchrun (prime_node/roles/trainer_ranks.py). Everything that can fail is checked first."""
+def _networked(
+    run: Any,
+    flags: NodeFlags,
+    *,
+    exit_when_done: bool,
+    nproc: int,
+    gpus: GpuSelection,
+    rendezvous: Rendezvous,
+) -> None:
+    """The networked trainer node (prime_node/roles/trainer_node.py); with ``nproc`` > 1 or several
+    nodes its rank 0, under torchrun (prime_node/roles/trainer_ranks.py). Everything that can fail is
+    checked first. Nodes other than node 0 hold no rank 0: they need neither the key nor the network."""
     from prime_node.cli.network_options import dataplane_host_for
     from prime_node.roles.trainer_node import build_trainer_node, run_trainer_node, step_line
+    from prime_node.roles.trainer_ranks import LaunchSpec, launch_networked
 
     node_config = flags.config(run.run_id)
+    dataplane_host = dataplane_host_for(node_config.listen)
+    under_torchrun = nproc > 1 or rendezvous.multi_node
+    if rendezvous.node_rank > 0:
+        if run.model_dir is None or not run.model_dir.is_dir():
+            raise NodeError(f"model directory {run.model_dir} does not exist", reason="bad_model_dir")
+        spec = LaunchSpec(run, node_config, dataplane_host, flags.dataplane_port, exit_when_done)
+        launch_networked(spec, None, nproc, str(gpus), rendezvous)
+        return
     try:
         key = flags.key()
     except NodeError as exc:
@@ -133,9 +175,8 @@ def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int, 
             "network or key, pass --local)",
             reason=exc.reason,
         ) from None
-    dataplane_host = dataplane_host_for(node_config.listen)
     dist = None  # under torchrun each rank sets up its own; the launcher needs no torch (3 s to import)
-    if nproc == 1:
+    if not under_torchrun:
         from prime_node.ml.distributed import init_from_env
 
         dist = init_from_env(gpus)
@@ -148,13 +189,11 @@ def _networked(run: Any, flags: NodeFlags, *, exit_when_done: bool, nproc: int, 
         on_step=lambda metrics: typer.echo(step_line(metrics)),
         dist=dist,  # one process: just its device
     )
-    if nproc > 1:
-        from prime_node.roles.trainer_ranks import LaunchSpec, launch_networked
-
+    if under_torchrun:
         checked = parts.trainer.config  # trainer_address filled in
         if not checked.model_dir.is_dir():
             raise NodeError(f"model directory {checked.model_dir} does not exist", reason="bad_model_dir")
         spec = LaunchSpec(checked, node_config, dataplane_host, flags.dataplane_port, exit_when_done)
-        launch_networked(spec, key, nproc, str(gpus))
+        launch_networked(spec, key, nproc, str(gpus), rendezvous)
         return
     run_trainer_node(node_config, parts, key, echo=typer.echo, exit_when_done=exit_when_done)

@@ -1,5 +1,6 @@
-"""The per-process entry point torchrun starts for ``run-trainer --nproc N --local``: rank 0 runs the
---local pipeline and drives the training session; ranks > 0 only follow it (``LocalRun.run``)."""
+"""The per-process entry point torchrun starts for ``run-trainer --nproc N --local`` (on one machine or,
+with ``--nnodes``, on several): rank 0 runs the --local pipeline and drives the training session; ranks
+> 0 only follow it (``LocalRun.run``)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from prime_node.config import load_run_config
     from prime_node.hardware import parse_gpu_selection
-    from prime_node.ml.distributed import init_from_env, shutdown
+    from prime_node.ml.distributed import check_same_run, init_from_env, shutdown, spans_machines
     from prime_node.ml.local_run import run_local
 
     overrides = {
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_run_config(args.config, overrides=overrides)
         dist = init_from_env(parse_gpu_selection(args.gpu))
         try:
+            if spans_machines(dist):  # every node's ranks: rank 0's run, and its output directory
+                check_same_run(config, dist)
             result = run_local(config, dist=dist)
         except BaseException:
             shutdown(together=False)

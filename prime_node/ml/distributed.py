@@ -8,15 +8,27 @@ selects; ``--gpu none`` trains on the CPU.
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from prime_node.errors import NodeError
 from prime_node.hardware import GpuSelection
+
+if TYPE_CHECKING:
+    from prime_node.config import RunConfig
+
+SHARED_MARK = ".prime-node-shared-storage-check"
+"""The file rank 0 writes into the output directory for every node's ranks to find (multi-node)."""
+NODE_LOCAL_FIELDS = frozenset({"model_dir", "output_dir", "trainer_address"})
+"""Run-config fields that may differ between nodes: paths (mount points differ) and the trainer address
+(filled in from the key on node 0 only). Every other field must be rank 0's."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,57 @@ def ensure_process_group(info: DistInfo, device: str) -> None:
         raise NodeError("join the torchrun process group (init_from_env) first", reason="bad_config")
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend=backend, store=HashStore(), rank=0, world_size=1)
+
+
+def spans_machines(info: DistInfo) -> bool:
+    """Whether this process group has ranks on other machines (torchrun's LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size)) < info.world_size
+
+
+def run_digest(run: RunConfig) -> str:
+    """What every node's run config must agree on: all but ``NODE_LOCAL_FIELDS`` and the task file's
+    path (only rank 0 reads it)."""
+    document = json.loads(run.model_dump_json())
+    shared = {name: value for name, value in document.items() if name not in NODE_LOCAL_FIELDS}
+    if isinstance(shared.get("task"), dict):
+        shared["task"] = {name: value for name, value in shared["task"].items() if name != "path"}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()
+
+
+def check_same_run(run: RunConfig, dist: DistInfo) -> None:
+    """Across nodes: every rank trains rank 0's run (same config but paths) and sees the output
+    directory rank 0 writes (rank 0 leaves a file there for the others to read). Every rank learns
+    whether any failed, so all stop together with NodeError ``bad_config`` instead of hanging."""
+    mark = run.output_dir / SHARED_MARK
+    nonce = os.urandom(16).hex()
+    if dist.is_main:
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        mark.write_text(nonce, encoding="utf-8")
+    expected = json.loads(
+        dist.broadcast_bytes(json.dumps([run_digest(run), nonce]).encode() if dist.is_main else None)
+    )
+    problems = []
+    if run_digest(run) != expected[0]:
+        problems.append("its run config differs from rank 0's (only its paths may)")
+    try:
+        seen = mark.read_text(encoding="utf-8")
+    except OSError:
+        seen = None
+    if seen != expected[1]:
+        problems.append(
+            f"it does not see rank 0's output directory at {run.output_dir}: checkpoints of a multi-node "
+            "run need one directory every node shares (a network file system)"
+        )
+    failed = dist.sum_floats({"failed": float(bool(problems))})["failed"]
+    dist.barrier()
+    if dist.is_main:
+        mark.unlink(missing_ok=True)
+    if problems:
+        raise NodeError(f"rank {dist.rank}: " + "; ".join(problems), reason="bad_config")
+    if failed:
+        raise NodeError(
+            "another rank's run config or output directory differs (its error says how)", reason="bad_config"
+        )
 
 
 def shutdown(*, together: bool = True) -> None:

@@ -13,6 +13,13 @@ command line, and only to a process whose parent is the torchrun it started. A f
 with a non-zero status, which becomes NodeError ``trainer_failed``; SIGINT/SIGTERM/SIGHUP to the launcher
 become SIGTERM to torchrun, which stops every rank (a second signal SIGKILLs torchrun, and its ranks
 follow through their parent-death signal).
+
+Across machines (``--nnodes``/``--node-rank``/``--rdzv-endpoint``): every machine runs the same launcher
+with its node rank; torchrun's static rendezvous makes node 0's rank 0 global rank 0, so the node, its
+key and its network stay on node 0, whose launcher alone checks and hands over the key. The other
+launchers need no keystore: their ranks only train. Every rank checks, before training, that it runs
+rank 0's run config and sees rank 0's output directory (DCP shards and checkpoints are written by
+every rank into one directory, so it must be storage every node shares).
 """
 
 from __future__ import annotations
@@ -39,6 +46,13 @@ from typing import TYPE_CHECKING
 
 from prime_node.errors import NodeError
 from prime_node.parent_death import death_signal_setter
+from prime_node.roles.rendezvous import (
+    SINGLE_NODE,
+    Rendezvous,
+    gloo_interface,
+    torchrun_command,
+    torchrun_env,
+)
 
 if TYPE_CHECKING:
     from crypto.keys import WalletKey
@@ -187,46 +201,34 @@ def receive_key(directory: Path, *, timeout: float = KEY_WAIT_S) -> WalletKey:
 # -- torchrun --------------------------------------------------------------------------------------------
 
 
-def torchrun_command(module: str, args: Sequence[str], nproc: int) -> list[str]:
-    """torchrun on this interpreter; ``--standalone``: a rendezvous on localhost, one node."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        module,
-        *args,
-    ]
-
-
-def torchrun_env() -> dict[str, str]:
-    """Our environment, with one torch/BLAS thread per rank unless OMP_NUM_THREADS says otherwise, and
-    (Linux) gloo's sockets on the loopback interface: every rank is on this machine. torchrun's own
-    rendezvous store cannot be told where to listen (TCPStore binds every interface; measured with
-    ``ss -ltnp`` on torch 2.13), so keep the trainer machine's firewall closed to what it does not serve."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    return env
-
-
 def run_torchrun(
-    module: str, args: Sequence[str], nproc: int, *, on_started: Callable[[int], None] | None = None
+    module: str,
+    args: Sequence[str],
+    nproc: int,
+    *,
+    rendezvous: Rendezvous = SINGLE_NODE,
+    on_started: Callable[[int], None] | None = None,
 ) -> None:
-    """Run ``module`` on ``nproc`` ranks under torchrun and wait for it.
+    """Run ``module`` on ``nproc`` ranks of this node under torchrun and wait for it.
 
     NodeError ``trainer_failed`` if torchrun exits non-zero (a rank failed; torchrun has stopped the
     others and printed which). SIGINT/SIGTERM/SIGHUP while it runs are forwarded as SIGTERM (torchrun
     then stops every rank), a second one SIGKILLs torchrun's whole process group; either way this
     raises KeyboardInterrupt once torchrun is gone. ``on_started`` gets torchrun's pid.
     """
+    interface = gloo_interface(rendezvous)
+    if rendezvous.multi_node:
+        print(
+            f"node {rendezvous.node_rank} of {rendezvous.nnodes}: meeting at {rendezvous.endpoint}, "
+            f"gloo on {interface}",
+            file=sys.stderr,
+            flush=True,
+        )
     stops = _StopForwarder()
     with stops.installed():
         process = subprocess.Popen(
-            torchrun_command(module, args, nproc),
-            env=torchrun_env(),
+            torchrun_command(module, args, nproc, rendezvous),
+            env=torchrun_env(interface),
             start_new_session=True,  # terminal signals reach the launcher only; it decides what ranks get
             preexec_fn=death_signal_setter(signal.SIGTERM),  # noqa: PLW1509 (a dying launcher stops it)
         )
@@ -240,6 +242,11 @@ def run_torchrun(
             raise
     if stops.received:
         raise KeyboardInterrupt(signal.Signals(stops.received[0]).name)
+    if code < 0:
+        raise NodeError(
+            f"torchrun was killed (signal {-code}): this node's trainer ranks are gone",
+            reason="trainer_failed",
+        )
     if code != 0:
         raise NodeError(
             f"torchrun exited with status {code}: a trainer rank failed (its error is above)",
@@ -295,16 +302,28 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-def launch_networked(spec: LaunchSpec, key: WalletKey, nproc: int, gpus: str = "auto") -> None:
+def launch_networked(
+    spec: LaunchSpec,
+    key: WalletKey | None,
+    nproc: int,
+    gpus: str = "auto",
+    rendezvous: Rendezvous = SINGLE_NODE,
+) -> None:
     """The launcher of ``run-trainer --nproc N`` without --local (see the module doc); ``gpus`` is
-    ``--gpu``, which every rank maps to its device (``hardware.select_device``)."""
+    ``--gpu``, which every rank maps to its device (``hardware.select_device``). ``key`` is None on
+    nodes other than node 0: none of their ranks is rank 0, the only one that signs."""
+    if (key is None) != (rendezvous.node_rank > 0):
+        raise NodeError("the trainer key goes to node 0 only, and node 0 needs it", reason="bad_config")
     directory = Path(tempfile.mkdtemp(prefix="prime-node-trainer-"))  # mode 0700
     try:
         spec.write(directory)
+        args = ["--launch-dir", str(directory), "--gpu", gpus]
+        if key is None:
+            run_torchrun(ENTRY_MODULE, args, nproc, rendezvous=rendezvous)
+            return
         handoff = KeyHandoff(directory, key)
         try:
-            args = ["--launch-dir", str(directory), "--gpu", gpus]
-            run_torchrun(ENTRY_MODULE, args, nproc, on_started=handoff.serve)
+            run_torchrun(ENTRY_MODULE, args, nproc, rendezvous=rendezvous, on_started=handoff.serve)
         finally:
             handoff.close()
     finally:
@@ -318,6 +337,10 @@ def run_rank(directory: Path, dist: DistInfo) -> bool:
     """Rank 0: the node (until a signal, or max_steps with exit_when_done). Ranks > 0: follow it.
     True when every rank left the session together (they may meet in a last barrier)."""
     spec = LaunchSpec.read(directory)
+    from prime_node.ml.distributed import check_same_run, spans_machines
+
+    if spans_machines(dist):
+        check_same_run(spec.run, dist)
     if dist.is_main:
         return _run_node(spec, directory, dist)
     return _follow(spec, dist)
@@ -420,8 +443,16 @@ def main(argv: list[str] | None = None) -> int:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"error: trainer rank {dist.rank}: {first}", file=sys.stderr)
         together, code = False, 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:
+        lost = _collective_error(exc)
+        if lost is None:
+            traceback.print_exc()
+        else:  # the node's nursery wraps the step's error: say it in one line, as above
+            log.debug("trainer rank %d failed", dist.rank, exc_info=True)
+            print(
+                f"error: trainer rank {dist.rank}: a collective failed (a rank is gone?): {lost}",
+                file=sys.stderr,
+            )
         together, code = False, 1
     else:
         code = 0
@@ -431,6 +462,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: trainer rank {dist.rank}: leaving the process group failed: {exc}", file=sys.stderr)
         code = code or 1
     return code
+
+
+def _collective_error(exc: BaseException) -> str | None:
+    """The first line of the torch.distributed error (a RuntimeError) at the bottom of an exception
+    group, or None when the group holds something else: that deserves its whole traceback."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return None
+    runtime, rest = exc.split(RuntimeError)
+    if runtime is None or rest is not None:
+        return None
+    leaf: BaseException = runtime
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    text = str(leaf).strip()
+    return text.splitlines()[0] if text else type(leaf).__name__
 
 
 if __name__ == "__main__":
