@@ -18,29 +18,59 @@ VIRTUAL_CLOCK = ("autojump_clock", "MockClock")
 MARK = "# hang guard"
 
 
-def _reads_clock(node: ast.AST) -> bool:
+def _reads_clock(node: ast.AST, derived: frozenset[str] = frozenset()) -> bool:
     for child in ast.walk(node):
         if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
             owner = child.func.value
             if isinstance(owner, ast.Name) and (owner.id, child.func.attr) in CLOCKS:
                 return True
-        if isinstance(child, ast.Name) and child.id in ELAPSED_NAMES:
+        if isinstance(child, ast.Name) and (child.id in ELAPSED_NAMES or child.id in derived):
             return True
     return False
+
+
+def _clock_arithmetic(value: ast.AST, names: frozenset[str]) -> bool:
+    """A clock reading, an elapsed name, or sums and scalings of them (not any expression naming one:
+    ``due = policy(seconds=seconds)`` is no time)."""
+    if isinstance(value, ast.BinOp):
+        return _clock_arithmetic(value.left, names) or _clock_arithmetic(value.right, names)
+    if isinstance(value, ast.UnaryOp):
+        return _clock_arithmetic(value.operand, names)
+    if isinstance(value, ast.Name):
+        return value.id in ELAPSED_NAMES or value.id in names
+    return isinstance(value, ast.Call) and _reads_clock(value) and not value.args and not value.keywords
+
+
+def _clock_names(tree: ast.AST) -> frozenset[str]:
+    """Names assigned from a clock reading, or from another such name (``stopped_after = time.monotonic()
+    - signalled``): whatever they are called, they are elapsed times. A ``deadline`` is not one."""
+    assigned = [
+        (target.id, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name) and "deadline" not in target.id
+    ]
+    names: frozenset[str] = frozenset()
+    while True:
+        grown = names | {name for name, value in assigned if _clock_arithmetic(value, names)}
+        if grown == names:
+            return names
+        names = grown
 
 
 def _is_deadline(node: ast.AST) -> bool:
     return any(isinstance(child, ast.Name) and "deadline" in child.id for child in ast.walk(node))
 
 
-def _bounds_from_above(left: ast.AST, op: ast.cmpop, right: ast.AST) -> bool:
+def _bounds_from_above(left: ast.AST, op: ast.cmpop, right: ast.AST, derived: frozenset[str]) -> bool:
     """``elapsed < bound`` or ``bound > elapsed`` (or an equality): what a slower machine breaks. A lower
     bound (a sleep lasted at least its time) holds on any machine; a ``deadline`` is a hang guard."""
     if isinstance(op, ast.Gt | ast.GtE):
         left, right = right, left
     elif not isinstance(op, ast.Lt | ast.LtE | ast.Eq):
         return False
-    return _reads_clock(left) and not _is_deadline(right)
+    return _reads_clock(left, derived) and not _is_deadline(right)
 
 
 def wall_clock_bounds(path: Path) -> list[str]:
@@ -50,13 +80,16 @@ def wall_clock_bounds(path: Path) -> list[str]:
         return []
     lines = source.splitlines()
     found = []
-    for node in ast.walk(ast.parse(source, filename=str(path))):
+    tree = ast.parse(source, filename=str(path))
+    derived = _clock_names(tree)
+    for node in ast.walk(tree):
         if not isinstance(node, ast.Assert):
             continue
         for compare in (c for c in ast.walk(node.test) if isinstance(c, ast.Compare)):
             operands = [compare.left, *compare.comparators]
             pairs = zip(operands, compare.ops, operands[1:], strict=False)
-            if any(_bounds_from_above(*pair) for pair in pairs) and MARK not in lines[node.lineno - 1]:
+            bounded = any(_bounds_from_above(*pair, derived) for pair in pairs)
+            if bounded and MARK not in lines[node.lineno - 1]:
                 found.append(f"{path}:{node.lineno}")
     return found
 
@@ -82,5 +115,11 @@ def test_the_rule_sees_a_bound_and_lets_a_hang_guard_pass(tmp_path: Path) -> Non
         "    assert 0.5 <= time.monotonic() - started\n"
         "    assert 0.5 <= took < 5\n"
         "    assert 5 > took\n"
+        "    stopped_after = time.monotonic() - started\n"
+        "    late = stopped_after * 2\n"
+        "    assert stopped_after < 15\n"
+        "    assert late <= 30\n"
+        "    assert time.monotonic() - started < 600  # hang guard: 10 x the step\n"
     )
-    assert [hit.rsplit(":", 1)[1] for hit in wall_clock_bounds(sample)] == ["5", "6", "11", "12"]
+    hits = [hit.rsplit(":", 1)[1] for hit in wall_clock_bounds(sample)]
+    assert hits == ["5", "6", "11", "12", "15", "16"]
