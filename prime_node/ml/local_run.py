@@ -134,12 +134,14 @@ class LocalRun:
             return None
         self.store.mark_available(self.start)
         self.store.publish(self.start, session.weights(self.start))
-        engine = load_engine(  # the base's weights: a resumed policy comes from the store on first use
+        # The architecture from the base; the starting policy's weights from the store on first use, as
+        # published (a bfloat16 policy 0 is the base rounded: what the child and the swarm's inferers use).
+        engine = load_engine(
             session.source,
             session.tokenizer,
             engine=self.config.engine,
             device=session.device,
-            policy_step=0 if self.start == 0 else -1,
+            policy_step=-1,
         )
         to_generate = [k for k in range(self.start, self.config.max_steps) if k not in self.replay]
         thread = threading.Thread(
