@@ -15,12 +15,9 @@ install-dev:
 demo: install
 	$(BIN)/prime-node demo
 
-# pytest-xdist workers: one more than the logical CPUs (at most 5), an idle one taking tests queued for
-# another (worksteal). Many tests wait on processes they started or on the network for part of their
-# time; the extra worker uses the cores meanwhile (docs/testing.md). The 30 slowest tests are listed at
-# the end: the suite's profile.
-WORKERS := $(shell python3 -c 'import os; print(min(len(os.sched_getaffinity(0)) + 1, 5))' 2>/dev/null || echo 2)
-PARALLEL := -n $(WORKERS) --dist worksteal
+# pytest-xdist workers: one per logical CPU, at most 4, an idle one taking tests queued for another
+# (worksteal). The 30 slowest tests are listed at the end: the suite's profile (docs/testing.md).
+PARALLEL := -n logical --maxprocesses 4 --dist worksteal
 
 # Everything CI checks: the full test suite (slow tests included), then ruff and mypy.
 test: install-dev
