@@ -376,7 +376,12 @@ class TrainerService:
         assert self.session is not None
         done = self.session.replay(self._note)
         if done:
-            log.info("replayed steps %d..%d from the rollout log", done[0].step - 1, done[-1].step)
+            log.info(
+                "replayed %d logged steps from the rollout log: policies %d..%d trained again",
+                len(done),
+                done[0].step,
+                done[-1].step,
+            )
         return len(done)
 
     async def _share(self, directory: Path, step: int) -> None:
