@@ -191,9 +191,15 @@ def _probe_nvidia_smi() -> tuple[GpuInfo, ...] | None:
 
 
 def _probe_torch() -> tuple[GpuInfo, ...] | None:
+    """Ask torch only if something imported it already (the probe itself must stay cheap). Another thread
+    may still be importing it (``join`` preloads torch beside the probe): then wait for that import to
+    finish, which ``import_module`` does under the module's import lock, rather than read a half-made
+    module ("partially initialized module 'torch' has no attribute 'cuda'", logged as a failure)."""
     torch: Any = sys.modules.get("torch")
     if torch is None:
         return None
+    if getattr(getattr(torch, "__spec__", None), "_initializing", False):
+        torch = importlib.import_module("torch")
     try:
         if not torch.cuda.is_available():
             return ()

@@ -11,7 +11,12 @@ The bytes come over an authenticated data-plane channel (context ``ROLLOUT_CONTE
 sending, the frame in raw chunks of at most ``CHUNK_BYTES``. ``BatchDownload`` checks them against the
 announced id before anything else looks at them: a reply for another id or size, a chunk over the limit,
 more bytes than announced or bytes whose hash is not the id are RemoteProtocolErrors (``BAD_BYTES``
-reasons: the sender is charged and the batch is fetched elsewhere).
+reasons: the sender is banned and the batch is fetched elsewhere). The id is a hash of the whole frame,
+so most wrong bytes can only be caught once all of them arrived; but a frame is a signed envelope whose
+payload starts with the batch header, and ``check_frame_start`` refuses, from its first ``FRAME_START_BYTES``,
+bytes that are not an envelope of the announced size carrying the announced run, worker, policy step and
+batch counter (``WRONG_START``): the common liar (zeros, another batch, a truncated or padded frame) is
+cut off at its first chunk instead of after the announced size.
 
 ``HolderBook`` remembers, bounded, which peers hold which announced batch. Pure: no I/O, no clock.
 """
@@ -20,13 +25,19 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
 
+import msgpack
+
 from crypto.digests import blake3
 from crypto.keys import Address
-from protocol.codec import ExactLen, IntRange, MaxLen, Message, decode, message
+from crypto.signatures import SIGNATURE_SIZE
+from protocol.codec import WIRE_VERSION, ExactLen, IntRange, MaxLen, Message, decode, message
+from protocol.envelope import MAX_DOMAIN_CHARS, NONCE_SIZE, Domain, Envelope
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from protocol.rollouts import peek_header
 
 ROLLOUT_CONTEXT = "rollouts"
 """The data-plane channel context of batch fetches (a swarm handshake does not open one)."""
@@ -53,7 +64,18 @@ WRONG_REPLY = "wrong_reply"
 CHUNK_TOO_LARGE = "chunk_too_large"
 TOO_LONG = "too_long"
 WRONG_BYTES = "wrong_bytes"
-BAD_BYTES = frozenset({WRONG_REPLY, CHUNK_TOO_LARGE, TOO_LONG, WRONG_BYTES})
+WRONG_START = "wrong_start"
+BAD_BYTES = frozenset({WRONG_REPLY, CHUNK_TOO_LARGE, TOO_LONG, WRONG_BYTES, WRONG_START})
+
+FRAME_START_BYTES = 2048
+"""A frame's first bytes that ``check_frame_start`` reads: the envelope's fields before its payload (at
+most ~0.7 KiB with the longest domain) and the payload's first KiB, where the batch header lies."""
+_HEADER_PEEK = 1024
+# The envelope's fields after its payload: signer (bin 20), timestamp (a msgpack int of 1 to 9 bytes),
+# nonce and signature (bins of fixed length).
+_TAIL_FIXED = len(msgpack.packb(bytes(20))) + len(msgpack.packb(bytes(NONCE_SIZE)))
+_TAIL_FIXED += len(msgpack.packb(bytes(SIGNATURE_SIZE)))
+_TAIL_RANGE = (_TAIL_FIXED + 1, _TAIL_FIXED + 9)
 
 
 @message("rollouts.announce", max_bytes=512)
@@ -135,13 +157,82 @@ def screen_announcement(
         )
 
 
+def check_frame_start(offer: RolloutAnnouncement, start: bytes, *, kind: str | None = None) -> None:
+    """Refuse the first bytes of a download (``FRAME_START_BYTES`` of them, or the whole frame if it is
+    shorter) that cannot begin the frame ``offer`` announced: an envelope (of domain ``kind`` in the
+    offer's run, when given) whose payload length fits the announced size and whose batch header names the
+    offer's run, worker, policy step and batch counter. RemoteProtocolError ``wrong_start``. Passing it
+    proves nothing about the rest (only the id does); it cuts off the sender of any other bytes early."""
+    try:
+        unpacker = msgpack.Unpacker(
+            raw=False,
+            max_buffer_size=FRAME_START_BYTES,
+            max_str_len=4 * MAX_DOMAIN_CHARS,
+            max_bin_len=0,  # the payload's bin header is read by hand below
+            max_array_len=6,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+        unpacker.feed(start[:FRAME_START_BYTES])
+        if unpacker.read_array_header() != 3 or unpacker.unpack() != WIRE_VERSION:
+            raise ValueError("not a [version, type, body] frame")
+        if unpacker.unpack() != Envelope.TYPE or unpacker.read_array_header() != 6:
+            raise ValueError("not an envelope")
+        domain = unpacker.unpack()
+        if type(domain) is not str:
+            raise ValueError("the domain is not a string")
+        at = unpacker.tell()
+    except (ValueError, msgpack.OutOfData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise RemoteProtocolError(f"the bytes do not start an envelope: {exc}", reason=WRONG_START) from exc
+    try:
+        parsed = Domain.parse(domain)
+    except RemoteProtocolError as exc:
+        raise RemoteProtocolError(f"an envelope of domain {domain[:80]!r}", reason=WRONG_START) from exc
+    if parsed.run != offer.run_id or (kind is not None and parsed.kind != kind):
+        raise RemoteProtocolError(f"an envelope of domain {domain[:80]!r}", reason=WRONG_START)
+    payload_at, length = _bin_header(start, at)
+    tail = offer.size - payload_at - length
+    if not _TAIL_RANGE[0] <= tail <= _TAIL_RANGE[1]:
+        raise RemoteProtocolError(
+            f"an envelope of {length} payload bytes cannot be {offer.size} bytes long", reason=WRONG_START
+        )
+    try:
+        header = peek_header(start[payload_at : payload_at + min(length, _HEADER_PEEK)])
+    except RemoteProtocolError as exc:
+        raise RemoteProtocolError(f"the payload is not a rollout batch: {exc}", reason=WRONG_START) from exc
+    claimed = (header.run_id, header.worker, header.policy_step, header.batch_counter)
+    if claimed != (offer.run_id, offer.worker, offer.policy_step, offer.batch_counter):
+        raise RemoteProtocolError(
+            f"batch {header.batch_counter} of step {header.policy_step} by {header.worker}: not the offer",
+            reason=WRONG_START,
+        )
+
+
+def _bin_header(data: bytes, at: int) -> tuple[int, int]:
+    """Where a msgpack bin starting at ``at`` has its bytes, and how many it has."""
+    widths = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+    width = widths.get(data[at]) if at < len(data) else None
+    if width is None or at + 1 + width > len(data):
+        raise RemoteProtocolError("the envelope's payload is not a byte string", reason=WRONG_START)
+    return at + 1 + width, int.from_bytes(data[at + 1 : at + 1 + width], "big")
+
+
 class BatchDownload:
     """One attempt to receive ``size`` bytes hashing to ``batch_id`` from one peer (module doc).
 
     Feed the reply to ``reply``, then every chunk to ``chunk`` until it returns the verified frame.
+    ``check_start`` (e.g. ``check_frame_start`` bound to the offer) is given the frame's first
+    ``FRAME_START_BYTES`` (or all of a shorter frame) as soon as they arrived, and may refuse them.
     """
 
-    def __init__(self, batch_id: bytes, size: int, *, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        batch_id: bytes,
+        size: int,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        check_start: Callable[[bytes], None] | None = None,
+    ) -> None:
         if len(batch_id) != 32 or not 1 <= size <= MAX_ANNOUNCED_SIZE or chunk_bytes < 1:
             raise LocalProtocolError("a download needs a 32-byte id and a positive size", reason="bad_call")
         self.batch_id = batch_id
@@ -150,6 +241,7 @@ class BatchDownload:
         self.received = 0
         self.sending = False
         self._chunks: list[bytes] = []
+        self._check_start = check_start
 
     @property
     def remaining(self) -> int:
@@ -186,6 +278,10 @@ class BatchDownload:
             raise RemoteProtocolError(f"more than the announced {self.size} bytes", reason=TOO_LONG)
         self._chunks.append(data)
         self.received += len(data)
+        if self._check_start is not None and self.received >= min(self.size, FRAME_START_BYTES):
+            check, self._check_start = self._check_start, None
+            start = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+            check(start[:FRAME_START_BYTES])
         if self.remaining:
             return None
         frame = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)

@@ -56,6 +56,7 @@ MAX_SIGHTINGS = 16
 """Distinct (run, trainer) pairs remembered for display; the least recently seen is forgotten first."""
 MAX_BOOTSTRAP = 8
 MAX_MULTIADDR_CHARS = 512
+RUN_ADDRESS_FORM = "RUN@0xTRAINER[,BOOTSTRAP...]"
 _U63 = (1 << 63) - 1
 
 
@@ -93,15 +94,29 @@ class RunAddress:
     def parse(cls, text: str) -> RunAddress:
         """InvariantError(reason="bad_run_address") unless ``text`` is ``RUN@0xADDRESS[,MULTIADDR...]``."""
         run_id, at, rest = text.strip().partition("@")
-        if not at:
-            raise InvariantError(
-                f"{text[:80]!r} is not a run address (RUN@0xTRAINER[,BOOTSTRAP...])", reason="bad_run_address"
-            )
         trainer, *bootstrap = rest.split(",")
+        missing = None
+        if not at or not trainer.strip():
+            missing = "trainer"
+        elif not run_id:
+            missing = "run id"
+        elif any(not part.strip() for part in bootstrap):
+            missing = "bootstrap peer after a comma"
+        if missing is not None:  # name the part left out: "demo,/ip4/…" is a run address without "@0x…"
+            raise InvariantError(
+                f"run address {text[:80]!r} has no {missing}: expected {RUN_ADDRESS_FORM}",
+                reason="bad_run_address",
+            )
+        if not is_valid_name(run_id):
+            raise InvariantError(
+                f"run address {text[:80]!r}: its run id {run_id[:60]!r} {NAME_RULE}", reason="bad_run_address"
+            )
         try:
             address = Address.parse(trainer)
         except CryptoError as exc:
-            raise InvariantError(f"run address {text[:80]!r}: {exc}", reason="bad_run_address") from None
+            raise InvariantError(
+                f"run address {text[:80]!r}: trainer: {exc}", reason="bad_run_address"
+            ) from None
         return cls(run_id, address, tuple(part.strip() for part in bootstrap))
 
     def __str__(self) -> str:

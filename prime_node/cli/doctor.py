@@ -25,7 +25,9 @@ def doctor(
     run: Annotated[
         str | None,
         typer.Option(
-            "--run", help="A run address RUN@0xTRAINER,BOOTSTRAP... (as join --run): adds its bootstraps."
+            "--run",
+            help="A run address RUN@0xTRAINER,BOOTSTRAP... (as join --run): adds its bootstraps, and sizes "
+            "the role from the run's signed config and newest checkpoint, as join would.",
         ),
     ] = None,
     as_json: JsonOption = False,
@@ -51,6 +53,9 @@ def doctor(
         str | None,
         typer.Option("--role", help="Check a pinned role (as join --role) instead of the policy's."),
     ] = None,
+    threads: Annotated[
+        int, typer.Option("--threads", help="As join --threads: the cores the role computes with (0: all).")
+    ] = 0,
     listen: Annotated[
         str, typer.Option("--listen", help="Where the doctor's throwaway libp2p host listens.")
     ] = "/ip4/0.0.0.0/tcp/0",
@@ -63,8 +68,9 @@ def doctor(
     ] = 1 << 20,
 ) -> None:
     """Check Python, torch and CUDA, GPU/VRAM, RAM, disk for the run's checkpoints and the role this machine
-    would take; with --bootstrap also the bootstrap peers (latency), reachability (NAT), clock skew and
-    bandwidth. One line per check, a fix under each problem; exit 1 if any check failed."""
+    would take (with --run: the role join would take in that run, for its model); with --bootstrap also
+    the bootstrap peers (latency), reachability (NAT), clock skew and bandwidth. One line per check, a fix
+    under each problem; exit 1 if any check failed."""
     from prime_node.doctor.run import DoctorOptions, run_doctor
 
     if not 1 <= probe_bytes <= MAX_PROBE_BYTES:
@@ -72,8 +78,9 @@ def doctor(
     if not 0 < timeout <= 120:
         raise NodeError("--timeout must be in (0, 120] seconds", reason="bad_config")
     peers = list(bootstrap or ())
-    if run is not None:
-        peers += join_target(run, None).bootstrap
+    target = join_target(run, None) if run is not None else None
+    if target is not None:
+        peers += target.bootstrap
     options = DoctorOptions(
         bootstrap=tuple(peers),
         listen=listen,
@@ -84,6 +91,9 @@ def doctor(
         role=None if role in (None, "auto") else role,
         timeout=timeout,
         probe_bytes=probe_bytes,
+        run_id=target.run_id if target is not None and target.trainer is not None else None,
+        trainer=target.trainer if target is not None else None,
+        threads=threads,
     )
     report = run_doctor(options)
     if as_json:

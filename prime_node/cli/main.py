@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "prime_node.cli.swarm",
     "prime_node.cli.demo",
     "prime_node.cli.doctor",
+    "prime_node.cli.new_run",
 )
 
 log = logging.getLogger("prime_node")

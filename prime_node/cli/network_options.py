@@ -284,7 +284,8 @@ def join_target(run: str, trainer: str | None) -> JoinTarget:
     from crypto.errors import CryptoError
     from crypto.keys import Address
     from protocol.errors import ProtocolError
-    from protocol.run_announcement import RunAddress
+    from protocol.names import NAME_RULE, is_valid_name
+    from protocol.run_announcement import RUN_ADDRESS_FORM, RunAddress
 
     pinned = None
     if trainer is not None:
@@ -295,9 +296,16 @@ def join_target(run: str, trainer: str | None) -> JoinTarget:
                 f"--trainer {trainer[:48]!r} is not an Ethereum address: {exc}", reason="bad_config"
             ) from None
     if "@" not in run:
-        return JoinTarget(run, pinned)
+        if is_valid_name(run):
+            return JoinTarget(run, pinned)
+        if not {",", "/"} & set(run):
+            raise NodeError(
+                f"--run {run[:80]!r} is neither a run id (it {NAME_RULE}) nor a run address "
+                f"({RUN_ADDRESS_FORM})",
+                reason="bad_config",
+            )
     try:
-        address = RunAddress.parse(run)
+        address = RunAddress.parse(run)  # a run address without "@0xTRAINER" is named as such
     except ProtocolError as exc:
         raise NodeError(f"--run: {exc}", reason="bad_config") from None
     if pinned is not None and pinned != address.trainer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -23,6 +24,16 @@ from prime_node.errors import NodeError
 def register(app: typer.Typer) -> None:
     app.command("join")(join)
     app.command("status")(status)
+
+
+def _progress_sink(as_json: bool) -> Callable[[str], None]:
+    """Where the runner's lines go: text to stderr beside the log, JSON lines to stdout beside the
+    identity line (what a script reads)."""
+    if as_json:
+        return lambda line: typer.echo(
+            line if line.startswith("{") else json.dumps({"event": "notice", "text": line})
+        )
+    return lambda line: typer.echo(line, err=True)
 
 
 @with_node_flags()
@@ -51,6 +62,12 @@ def join(
     adversary: Annotated[
         str | None, typer.Option("--adversary", hidden=True, help="Demo/tests: cheat as this attack kind.")
     ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="Progress lines and the summary on exit as JSON objects on stdout (else text)."
+        ),
+    ] = False,
 ) -> None:
     """Start a node: join the swarm via a bootstrap peer, learn the run from its pinned trainer's signed
     announcement (--run RUN@0xTRAINER,BOOTSTRAP or --trainer), take a role (inferer, validator or seeder:
@@ -93,8 +110,10 @@ def join(
         swarm=swarm,
         data_dir=directory,
         gpus=gpus,
-        settings=RoleSettings(pinned=role, trainer=pinned, adversary=adversary, threads=threads),
-        notify=lambda line: typer.echo(line, err=True),
+        settings=RoleSettings(
+            pinned=role, trainer=pinned, adversary=adversary, threads=threads, progress_json=as_json
+        ),
+        notify=_progress_sink(as_json),
     )
     run_node_until_signal(config, key, echo=typer.echo, services=[swarm, runner])
 

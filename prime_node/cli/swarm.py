@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, RunOption, with_node_flags
+from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, with_node_flags
 from prime_node.cli.options import JsonOption
 from prime_node.errors import NodeError
 from prime_node.paths import PASSWORD_FILE_ENV
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from prime_node.node.service import Node
     from prime_node.node_config import NodeConfig
     from prime_node.swarm.service import SwarmService
+    from protocol.envelope import Envelope
+    from protocol.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,16 @@ last SEED_IDLE s no longer counts as wanting one."""
 DataplaneHostOption = Annotated[
     str, typer.Option("--dataplane-host", help="Address the data plane listens on.")
 ]
+SwarmRunOption = Annotated[
+    str,
+    typer.Option(
+        "--run",
+        help="The run, as its run address RUN@0xTRAINER[,BOOTSTRAP...] (as join --run and doctor --run: "
+        "pins the trainer and adds the bootstrap peers) or a bare run id.",
+    ),
+]
+PROGRESS_MAX_S = 10.0
+"""``fetch`` says at least this often what it is doing while no peer has sent the manifest."""
 
 
 def register(app: typer.Typer) -> None:
@@ -52,19 +65,34 @@ def share(
     directory: Annotated[Path, typer.Argument(help="Hugging Face model directory to share.")],
     step: Annotated[int, typer.Option("--step", min=0, help="Training step of this checkpoint.")] = 0,
     piece_size: Annotated[
-        int | None, typer.Option("--piece-size", help="Piece size in bytes (power of two; default 4 MiB).")
+        int | None,
+        typer.Option(
+            "--piece-size",
+            help="Piece size in bytes (a power of two). Default: it follows the checkpoint: 4 MiB, halved "
+            "down to 256 KiB while that gives fewer than 240 pieces (so a checkpoint under ~60 MB gets "
+            "256 KiB pieces), doubled past 131,072 pieces.",
+        ),
     ] = None,
     as_json: JsonOption = False,
     node: NodeFlags = DEFAULT_FLAGS,
-    run: RunOption = "demo",
+    run: SwarmRunOption = "demo",
     dataplane_host: DataplaneHostOption = "0.0.0.0",
 ) -> None:
     """Sign DIR as the run's checkpoint for --step with this node's key (the trainer's), announce it and
     seed it until SIGINT/SIGTERM. Prints the manifest id (with --json one JSON line)."""
+    from prime_node.cli.network_options import join_target
     from prime_node.swarm.service import SwarmService
 
-    config = node.config(run)
+    target = join_target(run, None)
+    node = _with_bootstrap(node, target.bootstrap)
+    config = node.config(target.run_id)
     key = node.key()
+    if target.trainer is not None and target.trainer != key.address:
+        raise NodeError(
+            f"--run names trainer {target.trainer}, but this node's key is {key.address}: only the run's "
+            "trainer may share its checkpoints",
+            reason="not_trainer",
+        )
     swarm = SwarmService(
         key=key,
         run_id=config.run_id,
@@ -104,7 +132,10 @@ def fetch(
     manifest_id: Annotated[str, typer.Argument(help="Manifest id (64 hex digits) printed by `share`.")],
     out: Annotated[Path, typer.Option("--out", help="Directory to write (must not exist yet).")],
     trainer: Annotated[
-        str | None, typer.Option("--trainer", help="Accept only a manifest signed by this address.")
+        str | None,
+        typer.Option(
+            "--trainer", help="Accept only a manifest signed by this address (the same pin as --run RUN@0x…)."
+        ),
     ] = None,
     run_config: Annotated[
         Path | None,
@@ -139,7 +170,7 @@ def fetch(
     ] = None,
     as_json: JsonOption = False,
     node: NodeFlags = DEFAULT_FLAGS,
-    run: RunOption = "demo",
+    run: SwarmRunOption = "demo",
     dataplane_host: DataplaneHostOption = "0.0.0.0",
 ) -> None:
     """Download checkpoint MANIFEST_ID from the swarm, verify every piece, write it to --out atomically,
@@ -149,7 +180,8 @@ def fetch(
     written)."""
     phases = {"cli": _process_age()}
     policy = parse_seed_until(seed_until)
-    mid, trainer_address, run = _fetch_target(manifest_id, trainer, run_config, run)
+    mid, trainer_address, run, bootstrap = _fetch_target(manifest_id, trainer, run_config, run)
+    node = _with_bootstrap(node, bootstrap)
     out = out.absolute()
     if out.exists():
         raise NodeError(f"{out} already exists; choose another --out or remove it", reason="output_exists")
@@ -182,13 +214,7 @@ def fetch(
 
         phases["node_up"] = _process_age()
         started = trio.current_time()
-        found = None
-        with trio.move_on_after(timeout):
-            found = await swarm.get_manifest(mid)
-        if found is None:
-            raise NodeError(
-                f"no peer offered manifest {manifest_id} within {timeout:g} s", reason="manifest_not_found"
-            )
+        found = await _ManifestWait(swarm, running, mid, config.run_id).get(timeout)
         phases["manifest"] = _process_age()
         manifest = found[1]
         async with trio.open_nursery() as nursery:
@@ -267,9 +293,11 @@ class _KeyInBackground:
 
 def _fetch_target(
     manifest_id: str, trainer: str | None, run_config: Path | None, run: str
-) -> tuple[bytes, Address | None, str]:
-    """The manifest id, the trainer to insist on and the run, from fetch's arguments."""
+) -> tuple[bytes, Address | None, str, tuple[str, ...]]:
+    """The manifest id, the trainer to insist on, the run id and the run address's bootstrap peers, from
+    fetch's arguments (``--run`` as ``join_target`` reads it: a run address or a bare run id)."""
     from crypto.keys import Address
+    from prime_node.cli.network_options import join_target
 
     try:
         mid = bytes.fromhex(manifest_id)
@@ -279,7 +307,8 @@ def _fetch_target(
         raise NodeError(
             f"not a manifest id (want 64 hex digits): {manifest_id[:80]}", reason="bad_id"
         ) from None
-    trainer_address = Address.parse(trainer) if trainer else None
+    target = join_target(run, trainer)
+    trainer_address, run = target.trainer, target.run_id
     if run_config is not None:
         from prime_node.config.run import load_run_config
 
@@ -287,7 +316,68 @@ def _fetch_target(
         run = loaded.run_id
         if trainer_address is None and loaded.trainer_address:
             trainer_address = Address.parse(loaded.trainer_address)
-    return mid, trainer_address, run
+    return mid, trainer_address, run, target.bootstrap
+
+
+def _with_bootstrap(node: NodeFlags, bootstrap: tuple[str, ...]) -> NodeFlags:
+    """``node`` with a run address's bootstrap peers added to ``--bootstrap``."""
+    if not bootstrap:
+        return node
+    return dataclasses.replace(node, bootstrap=[*(node.bootstrap or ()), *bootstrap])
+
+
+class _ManifestWait:
+    """What ``fetch`` says while no peer has sent the manifest: how long, how many peers of the run it
+    asked (over the whole wait), its data-plane neighbours and the run members it knows."""
+
+    def __init__(self, swarm: SwarmService, running: Node, mid: bytes, run_id: str) -> None:
+        self.swarm = swarm
+        self.running = running
+        self.mid = mid
+        self.run_id = run_id
+        self.asked: set[Address] = set()
+
+    def line(self, waited: float, *, final: bool = False) -> str:
+        pending = self.swarm.catalogue.pending.get(self.mid)
+        if pending is not None:
+            self.asked |= pending.asked
+        members = len(self.running.membership.members())
+        head = "gave up on" if final else "waiting for"
+        hint = "" if members else f" (no node of run {self.run_id!r} reached: check --run and --bootstrap)"
+        return (
+            f"{head} manifest {self.mid.hex()[:16]}… after {waited:.0f} s: asked {len(self.asked)} peer(s) "
+            f"of run {self.run_id!r}, none sent it; {len(self.swarm.dataplane.links)} data-plane "
+            f"neighbour(s), {members} run member(s) known{hint}"
+        )
+
+    async def get(self, timeout: float) -> tuple[Envelope, Manifest]:
+        """The manifest, with a progress line every so often; NodeError after ``timeout`` s, or at once
+        when it is signed by another key than the trainer (``wrong_signer``)."""
+        import trio
+
+        started = trio.current_time()
+        found = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.report, min(PROGRESS_MAX_S, max(1.0, timeout / 4)))
+            with trio.move_on_after(timeout):
+                found = await self.swarm.get_manifest(self.mid)
+            nursery.cancel_scope.cancel()
+        if found is None:
+            typer.echo(self.line(trio.current_time() - started, final=True), err=True)
+            raise NodeError(
+                f"no peer offered manifest {self.mid.hex()} within {timeout:g} s", reason="manifest_not_found"
+            )
+        return found
+
+    async def report(self, every: float) -> None:
+        import trio
+
+        started = trio.current_time()
+        while True:
+            await trio.sleep(every)
+            line = self.line(trio.current_time() - started)
+            log.info("%s", line)
+            typer.echo(line, err=True)
 
 
 # --- seeding after a fetch ---------------------------------------------------------------------------

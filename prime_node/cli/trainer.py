@@ -11,6 +11,7 @@ import typer
 
 from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, with_node_flags
 from prime_node.errors import NodeError
+from prime_node.node.data_dir_lock import check_data_dir_free
 from prime_node.roles.rendezvous import Rendezvous, parse_rendezvous
 from prime_node.roles.rendezvous import gloo_interface as find_interface
 
@@ -165,6 +166,7 @@ def _networked(
         spec = LaunchSpec(run, node_config, dataplane_host, flags.dataplane_port, exit_when_done)
         launch_networked(spec, None, nproc, str(gpus), rendezvous)
         return
+    check_data_dir_free(flags.directory())  # before building anything: a running trainer's files are its own
     try:
         key = flags.key()
     except NodeError as exc:

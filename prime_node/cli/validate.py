@@ -17,11 +17,15 @@ import typer
 
 from prime_node.cli.options import JsonOption
 from prime_node.errors import NodeError
+from protocol.codec import decode
+from protocol.envelope import Envelope, EnvelopeVerifier
+from protocol.errors import ProtocolError
+from protocol.rollouts import RolloutBatch
 
 if TYPE_CHECKING:
     from prime_node.verification.validator import ValidationResult
 
-MAX_FILE_BYTES = 9 << 20  # an envelope frame is at most 8 MiB of payload plus its header
+MAX_FILE_BYTES = Envelope.MAX_BYTES  # the largest envelope frame the wire format carries
 
 
 def register(app: typer.Typer) -> None:
@@ -68,6 +72,34 @@ def validate(
         raise typer.Exit(code=2)
 
 
+def _require_a_signed_batch(frame: bytes) -> None:
+    """NodeError ``not_a_batch`` unless ``frame`` is a signed envelope around a rollout batch: a verdict
+    judges a worker by its signature, and a file that carries none (a config, a truncated download, the
+    unsigned frames of the trainer's rollouts.log) names no worker to judge (issue 36: `validate` called
+    every one of them a cheat)."""
+    try:
+        envelope = decode(frame, Envelope)
+    except ProtocolError as exc:
+        try:
+            decode(frame, RolloutBatch)
+        except ProtocolError:
+            raise NodeError(
+                f"not a signed rollout batch ({exc.reason}): pass a batch as a worker published it, e.g. "
+                "one a validator saved",
+                reason="not_a_batch",
+            ) from None
+        raise NodeError(
+            "an unsigned rollout batch (the trainer's rollouts.log keeps batches without the worker's "
+            "signature): validate needs the signed frame the worker published",
+            reason="not_a_batch",
+        ) from None
+    try:
+        decode(envelope.payload, RolloutBatch)
+    except ProtocolError:
+        kind = envelope.domain.split("/")[2] if envelope.domain.count("/") >= 2 else envelope.domain
+        raise NodeError(f"a signed {kind!r} envelope, not a rollout batch", reason="not_a_batch") from None
+
+
 def _run(
     frame: bytes, model_dir: Path, config_path: Path | None, current_step: int | None
 ) -> ValidationResult:
@@ -79,10 +111,6 @@ def _run(
     from prime_node.verification.proving import rollout_domain
     from prime_node.verification.reasons import Reason
     from prime_node.verification.validator import BatchValidator
-    from protocol.codec import decode
-    from protocol.envelope import Envelope, EnvelopeVerifier
-    from protocol.errors import ProtocolError
-    from protocol.rollouts import RolloutBatch
 
     if len(frame) > MAX_FILE_BYTES:
         from crypto.digests import blake3
@@ -91,6 +119,7 @@ def _run(
         result = ValidationResult(batch_id=blake3(frame))
         result.reject(Reason.MALFORMED_ENVELOPE, f"file is larger than {MAX_FILE_BYTES} bytes")
         return result
+    _require_a_signed_batch(frame)
     run = load_run_config(config_path)
     check_model_dir(model_dir)
     tokenizer = load_tokenizer(model_dir)

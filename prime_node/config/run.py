@@ -15,12 +15,28 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from prime_node.config.errors import describe_problems, env_origins
 from prime_node.errors import NodeError
 from protocol.envelope import Envelope
 from protocol.names import RUN_ID_PATTERN
+from protocol.rollouts import MAX_PROMPT_TOKENS, proof_size
 
 MAX_ROLLOUT_FRAME = Envelope.MAX_BYTES
 """The largest sealed rollout batch the wire format carries (one envelope frame)."""
+SAMPLE_OVERHEAD_BYTES = 64
+"""A sample's encoding beyond its token, log-prob and proof bytes (task id, seed, headers)."""
+FRAME_OVERHEAD_BYTES = 4096
+"""A batch frame's encoding beyond its samples (header, envelope, signature), generously."""
+
+
+def honest_batch_bytes(*, samples: int, max_new_tokens: int) -> int:
+    """The most bytes an honest sealed batch of ``samples`` completions of at most ``max_new_tokens``
+    tokens can take, with a 1/8 margin: per sample the wire format's longest prompt (the config cannot
+    know the task's tokenized prompts: validators check those per batch), the completion's token ids and
+    log-probs and its TOPLOC proof."""
+    per_sample = 4 * MAX_PROMPT_TOKENS + 8 * max_new_tokens + proof_size(max_new_tokens)
+    return (samples * (per_sample + SAMPLE_OVERHEAD_BYTES)) * 9 // 8 + FRAME_OVERHEAD_BYTES
+
 
 ENV_PREFIX = "PRIME_NODE_RUN__"
 
@@ -145,7 +161,10 @@ class RunConfig(_Strict):
     max_rollout_batch_bytes: int = Field(MAX_ROLLOUT_FRAME, ge=1 << 10, le=MAX_ROLLOUT_FRAME)
     """Largest sealed rollout-batch frame, in bytes: inferers refuse to publish a bigger one, validators
     and the trainer refuse its announcement before fetching a byte (docs/verification.md, *Rollout
-    batches over the data plane*). At most the wire format's envelope cap."""
+    batches over the data plane*). Left unset, it is derived from the run's shapes: the most an honest
+    batch of ``prompts_per_step`` groups of ``group_size`` completions of ``max_new_tokens`` can take
+    (``honest_batch_bytes``), at most the wire format's envelope cap; set, it overrides that (e.g. lower,
+    for a task whose prompts are known to be short)."""
     local_inference: Literal["thread", "process"] = "process"
     """--local: generate in a child process (no GIL shared with training: measured faster), or in a
     thread of the trainer process."""
@@ -260,6 +279,14 @@ class RunConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _derived_batch_cap(self) -> RunConfig:
+        if "max_rollout_batch_bytes" not in self.model_fields_set:
+            honest = honest_batch_bytes(samples=self.samples_per_step, max_new_tokens=self.max_new_tokens)
+            # The model is frozen; the derived value is set once, here, as if it had been given.
+            object.__setattr__(self, "max_rollout_batch_bytes", max(1 << 10, min(MAX_ROLLOUT_FRAME, honest)))
+        return self
+
     @property
     def samples_per_step(self) -> int:
         return self.group_size * self.prompts_per_step
@@ -303,14 +330,15 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def validate_run_config(data: Mapping[str, Any], *, source: str) -> RunConfig:
+def validate_run_config(
+    data: Mapping[str, Any], *, source: str, origins: Mapping[tuple[str | int, ...], str] | None = None
+) -> RunConfig:
+    """The checked config; NodeError naming every problem at once (prime_node/config/errors.py)."""
     try:
         return RunConfig.model_validate(dict(data))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(root)"
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise NodeError(f"{source}: field {where}: {first['msg']}{more}", reason="bad_config") from exc
+        problems = describe_problems(exc, model=RunConfig, origins=origins)
+        raise NodeError(problems.line(source), reason="bad_config") from exc
 
 
 def load_run_config(
@@ -331,6 +359,6 @@ def load_run_config(
             ) from exc
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise NodeError(f"{path}: not valid TOML: {exc}", reason="bad_config") from exc
-    data = _merge(data, _env_overrides(os.environ if environ is None else environ))
-    data = _merge(data, overrides or {})
-    return validate_run_config(data, source=source)
+    from_env = _env_overrides(os.environ if environ is None else environ)
+    data = _merge(_merge(data, from_env), overrides or {})
+    return validate_run_config(data, source=source, origins=env_origins(from_env, ENV_PREFIX))

@@ -2,7 +2,8 @@
 requirements the role policy reads.
 
 A joining node learns the model from the swarm (the pinned trainer's announcement, then the first
-checkpoint's size: ``prime_node.roles.runner.requirements_for``). The doctor runs before that, so it reads
+checkpoint's size: ``prime_node.roles.runner.requirements_for``). With ``--run RUN@0xTRAINER,BOOTSTRAP``
+the doctor learns both the same way (``run_model.learn_run``, ``from_run``); otherwise it reads
 ``--model DIR`` (a local Hugging Face directory) or ``--run-config FILE`` (its ``model_dir`` and
 ``async_level``), else assumes ``DEFAULT_PARAMS`` in bf16: a model a home GPU can serve, and the largest
 the role policy lets a CPU validate.
@@ -15,7 +16,9 @@ from pathlib import Path
 from typing import Final
 
 from prime_node.config.run import RunConfig, load_run_config
+from prime_node.doctor.run_model import RunModel
 from prime_node.errors import NodeError
+from prime_node.roles.choice import requirements_for_shape
 from prime_node.roles.runner import requirements_for
 from protocol.roles import RunRequirements
 
@@ -72,4 +75,35 @@ def estimate(model_dir: Path | None, run_config: Path | None) -> ModelEstimate:
         keep=keep,
         source=f"model {directory}",
         requirements=requirements_for(config, directory),
+    )
+
+
+def from_run(model: RunModel) -> ModelEstimate:
+    """From what ``--run`` learnt: the run's config and its newest checkpoint. NodeError when neither
+    the run nor a checkpoint of it was found (``model.error``)."""
+    from prime_node.ml.vram_plan import ModelShape
+
+    config = model.config
+    if config is None or model.checkpoint_bytes is None:
+        raise NodeError(model.error or "the run is not known", reason="bad_run")
+    shape = model.shape
+    run = f"run {model.run_id}: checkpoint step {model.step}"
+    if shape is None:  # the peer served no config.json: the parameter count from the file sizes
+        params = model.params_from_sizes or 0
+        shape = ModelShape(params, 0, 0, layers=1, kv_heads=0, head_dim=0, vocab=0)
+        source = (
+            f"{run}, {params / 1e9:.3g} B parameters (from its file sizes in {config.published_dtype}; "
+            "the KV cache is not counted: the peer did not serve config.json)"
+        )
+    else:
+        source = (
+            f"{run}, {shape.params / 1e9:.3g} B parameters, {shape.layers} layers "
+            f"(its config.json and safetensors headers), inference in {config.inference_dtype} on "
+            f"{'/'.join(config.inferer_devices)}"
+        )
+    return ModelEstimate(
+        checkpoint_bytes=model.checkpoint_bytes,
+        keep=max(JOIN_KEEP, config.async_level + 1),
+        source=source,
+        requirements=requirements_for_shape(config, shape),
     )

@@ -17,6 +17,8 @@ from typing import Any, Final
 
 import trio
 
+from crypto.errors import CryptoError
+from crypto.identity import public_key_from_peer_id
 from crypto.keys import WalletKey
 from prime_node.doctor.model_size import ModelEstimate
 from prime_node.doctor.probes import Transfer, probe_clock, probe_download, probe_upload
@@ -105,9 +107,15 @@ class NetworkFacts:
 
 _SHORT_ERRORS: Final = {
     "bad_multiaddr": "not a full /ip4/…/tcp/…/p2p/… multiaddr",
+    "bad_peer_id": "invalid peer id",
+    "wrong_peer_id": "a node answers there, but with another peer id",
     "dial_failed": "unreachable",
     "dial_timeout": "no answer in time",
 }
+BAD_PEER_ID_FIX: Final = (
+    "the peer id after /p2p/ is not the node's (a character changed or cut off?): copy it again, whole, "
+    "from the node's node.json or the run address"
+)
 
 
 def _short(peer_id: str | None) -> str:
@@ -140,7 +148,12 @@ def check_bootstrap(facts: NetworkFacts) -> Check:
     if not failed:
         return Check("bootstrap", PASS, value, None, details)
     first = failed[0]
-    fix = BAD_ADDRESS_FIX if first.reason == "bad_multiaddr" else UNREACHABLE_FIX.format(addr=first.multiaddr)
+    fixes = {
+        "bad_multiaddr": BAD_ADDRESS_FIX,
+        "bad_peer_id": BAD_PEER_ID_FIX,
+        "wrong_peer_id": BAD_PEER_ID_FIX,
+    }
+    fix = fixes.get(first.reason or "", UNREACHABLE_FIX.format(addr=first.multiaddr))
     return Check("bootstrap", FAIL, value, fix, details)
 
 
@@ -282,20 +295,52 @@ def check_reachability(facts: NetworkFacts) -> Check:
 # -- gathering --------------------------------------------------------------------------------------------
 
 
+def check_peer_id(multiaddr: str) -> None:
+    """NodeError ``bad_peer_id`` when the address is whole but the peer id after ``/p2p/`` is not one
+    (a changed or missing character), ``bad_multiaddr`` when the address itself is malformed."""
+    head, _, peer_id = multiaddr.rpartition("/p2p/")
+    if head and peer_id and "/" not in peer_id:
+        parse_multiaddr(head, need_peer_id=False)
+        try:
+            public_key_from_peer_id(peer_id)
+        except CryptoError as exc:
+            raise NodeError(f"invalid peer id {peer_id[:80]!r}: {exc}", reason="bad_peer_id") from None
+    parse_multiaddr(multiaddr, need_peer_id=True)
+
+
+async def _port_answers(multiaddr: str, timeout: float) -> bool:
+    """Whether the address's TCP port accepts a connection (a libp2p dial that failed there met a node
+    with another identity: the peer id is wrong, not the address)."""
+    parts = multiaddr.split("/")
+    if len(parts) < 5 or parts[1] not in ("ip4", "ip6", "dns", "dns4", "dns6") or parts[3] != "tcp":
+        return False
+    try:
+        with trio.fail_after(timeout):
+            stream = await trio.open_tcp_stream(parts[2], int(parts[4]))
+        await stream.aclose()
+    except (OSError, ValueError, trio.TooSlowError):
+        return False
+    return True
+
+
 async def _probe_peer(
     host: Libp2pHost, probe: PeerProbe, clock: NodeClock, timeout: float, size: int
 ) -> None:
     try:
-        parse_multiaddr(probe.multiaddr, need_peer_id=True)
+        check_peer_id(probe.multiaddr)
         started = trio.current_time()
         with trio.fail_after(timeout):
             probe.peer_id = await host.connect(probe.multiaddr)
         probe.dial_ms = (trio.current_time() - started) * 1000
     except NodeError as exc:
         probe.error, probe.reason = str(exc), exc.reason
-        return
     except trio.TooSlowError:
         probe.error, probe.reason = f"no answer within {timeout:.0f} s", "dial_timeout"
+    if probe.reason is not None or probe.peer_id is None:
+        if probe.reason in ("dial_failed", "dial_timeout") and await _port_answers(probe.multiaddr, timeout):
+            wanted = probe.multiaddr.rpartition("/p2p/")[2]
+            probe.error = f"a node answers at this address, but not as peer {wanted[:80]} ({probe.error})"
+            probe.reason = "wrong_peer_id"
         return
     try:
         with trio.fail_after(timeout):

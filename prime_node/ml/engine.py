@@ -33,6 +33,7 @@ Generation is batched with left padding and a KV cache.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -188,6 +189,17 @@ def _retire_finished(active: list[int], keep: list[int]) -> tuple[list[int], lis
     return active, None
 
 
+def cache_keyword(decoder: Any) -> str:
+    """The name the decoder's ``forward`` and its output give the KV cache: ``cache`` from transformers
+    5.x on, ``past_key_values`` before. 5.x still takes the old name but warns on every start (and drops it
+    in 5.40), so the engine asks the signature instead of picking one name for every version."""
+    try:
+        names = inspect.signature(decoder.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature: assume the long-standing name
+        return "past_key_values"
+    return "cache" if "cache" in names else "past_key_values"
+
+
 class TorchEngine:
     """The torch/transformers engine (CPU or CUDA) for any HF causal LM with a decoder + lm_head."""
 
@@ -197,6 +209,7 @@ class TorchEngine:
         self.pad_token_id = pad_token_id
         self.policy_step = policy_step
         self._decoder = model.get_decoder()
+        self._cache_keyword = cache_keyword(self._decoder)
         self._head = model.get_output_embeddings()
         self._logit_head = LogitHead(self._head)
 
@@ -250,10 +263,10 @@ class TorchEngine:
                     input_ids=ids,
                     attention_mask=mask,
                     position_ids=positions,
-                    past_key_values=cache,
                     use_cache=True,
+                    **{self._cache_keyword: cache},
                 )
-                cache = result.past_key_values
+                cache = getattr(result, self._cache_keyword)
                 hidden = result.last_hidden_state[:, -1]
                 logits = self._head(hidden)
                 chosen = choose_tokens(

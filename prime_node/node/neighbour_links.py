@@ -26,11 +26,13 @@ import trio
 
 from prime_node.errors import NodeError
 from prime_node.node.core import NodeCore
+from prime_node.p2p.dht_interop import KnowsOfferedProtocols
 from prime_node.p2p.interface import FramedStream, PeerAddresses
 from protocol.codec import decode, encode
+from protocol.dial_backoff import DialBackoff
 from protocol.envelope import Domain, Envelope, Reject, check_signature, seal
 from protocol.errors import ProtocolError, RemoteProtocolError
-from protocol.membership import Membership, StateChanged
+from protocol.membership import Membership, PeerState, StateChanged
 from protocol.overlay import (
     BUSY_SAMPLE,
     MAX_NEIGHBOUR_FRAME,
@@ -99,6 +101,8 @@ class NeighbourLinks:
         self.domain = Domain("peer_record", core.run_id)
         self.overlay = Overlay(self.own_peer_id, overlay or OverlayConfig())
         self.book = RecordBook(self.own_peer_id, book or RecordBookConfig())
+        self.dials = DialBackoff()
+        """Which record addresses may be dialled now, which are proven (protocol/dial_backoff.py)."""
         self.rng = rng or random.Random()
         self.latency_ms: dict[str, int] = {}
         self._links: dict[str, _Link] = {}
@@ -132,7 +136,12 @@ class NeighbourLinks:
         return self.overlay.short_of_candidates(healthy)
 
     def maintain(self, candidates: list[str]) -> None:
-        """Open links to random ``candidates`` (healthy peers, connected peers) while below the degree."""
+        """Open links to random ``candidates`` (healthy peers, connected peers) while below the degree.
+        Not to a peer whose identify lists no ``NEIGHBOUR_PROTOCOL`` (another libp2p program connected to
+        us): a trainer retried one every 30 s; asked again once its identify names the protocol."""
+        if isinstance(self.host, KnowsOfferedProtocols):
+            host = self.host
+            candidates = [p for p in candidates if host.offers(p, NEIGHBOUR_PROTOCOL) is not False]
         for peer_id in self.overlay.choose(candidates, self.clock.now(), self.rng):
             if self.policy.is_banned(peer_id):
                 continue
@@ -192,11 +201,9 @@ class NeighbourLinks:
                 # connection and the streams on it: the larger peer ID lets the other dial first.
                 await trio.sleep(DIAL_YIELD_DELAY)
             with trio.fail_after(ANSWER_TIMEOUT):
+                proof = None
                 if peer_id not in self.host.connected_peers():
-                    held = self.membership.get(peer_id)
-                    if held is None:
-                        raise NodeError("no address for the peer", reason="no_address")
-                    await self.host.connect_peer(PeerAddresses(peer_id, held.record.multiaddrs))
+                    proof = await self._dial(peer_id)
                 stream = await self.host.open_stream(peer_id, NEIGHBOUR_PROTOCOL)
                 await stream.send_frame(self._frame(FrameKind.HELLO, self._own()))
                 raw = await stream.receive_frame(MAX_NEIGHBOUR_FRAME)
@@ -218,6 +225,8 @@ class NeighbourLinks:
             with trio.move_on_after(1):
                 await stream.reset()
             return
+        if proof is not None:  # the peer answered on the connection our dial to this address opened
+            self.dials.reached(proof)
         self._take_records(peer_id, answer)
         if answer.kind == FrameKind.BUSY or not self.overlay.room_for(peer_id):
             if peer_id not in self._links:
@@ -234,6 +243,31 @@ class NeighbourLinks:
             return
         await self._run_link(peer_id, stream, answer, inbound=False)
 
+    async def _dial(self, peer_id: str) -> str | None:
+        """Dial ``peer_id`` at the addresses its record names that may be dialled now
+        (protocol/dial_backoff.py): a record's addresses are only its owner's claim, so each failed dial
+        rests their endpoints, doubling. Returns the one address the dial may prove (``_open`` marks it
+        proven once the peer answered on the connection), or None."""
+        held = self.membership.get(peer_id)
+        if held is None:
+            raise NodeError("no address for the peer", reason="no_address")
+        planned = self.dials.plan(held.record.multiaddrs, self.clock.now())
+        if not planned:
+            self.metrics.count("dials_resting")
+            raise NodeError("every address of the peer is resting after failed dials", reason="dial_resting")
+        try:
+            await self.host.connect_peer(PeerAddresses(peer_id, planned))
+        except NodeError:
+            self.dials.failed(planned, self.clock.now())
+            self.metrics.count("dial_strikes", 0, len(planned))
+            raise
+        except trio.Cancelled:
+            # Our answer deadline ran out mid-dial: as good as a failed dial (a listener that never
+            # completes the handshake must not be dialled again at once).
+            self.dials.failed(planned, self.clock.now())
+            raise
+        return _proof_of(planned, direct=self.host.directly_connected(peer_id))
+
     async def _serve(self, stream: FramedStream) -> None:
         peer_id = stream.remote_peer_id
         if not self.policy.admit_message(peer_id):
@@ -249,7 +283,8 @@ class NeighbourLinks:
         self._take_records(peer_id, hello)
         if not self._accepts(peer_id):
             self.metrics.count("neighbour_refusals")
-            sample = self.book.sample(BUSY_SAMPLE, self.rng, excluding=peer_id)
+            sampled = self.book.sample(BUSY_SAMPLE, self.rng, excluding=peer_id)
+            sample = [r for r in sampled if self._passable(r)]
             with trio.move_on_after(SEND_TIMEOUT):
                 await stream.send_frame(self._frame(FrameKind.BUSY, sample))
                 await stream.close()
@@ -299,30 +334,33 @@ class NeighbourLinks:
                 self.overlay.unlinked(peer_id)
                 self.book.link_down(peer_id)
                 self.latency_ms.pop(peer_id, None)
-                if said_bye:
-                    self.on_changes(self.membership.unlinked(peer_id, self.clock.now()))
-                else:
+                if not said_bye:
                     self.metrics.count("neighbour_links_lost")
-                    self._ask_again(peer_id)
+                if not self._ask_again(peer_id) and said_bye and peer_id in self.host.connected_peers():
+                    self.on_changes(self.membership.unlinked(peer_id, self.clock.now()))
             with trio.CancelScope(shield=True), trio.move_on_after(1), contextlib.suppress(NodeError):
                 await stream.reset()
 
-    def _ask_again(self, peer_id: str) -> None:
-        """A link ended without a ``bye``: the peer died, or only the link did (its connection was
-        replaced, a send timed out on a loaded machine). Send it one hello: a welcome links us again, a
+    def _ask_again(self, peer_id: str) -> bool:
+        """A link ended: the peer died, or only the link did (its connection was replaced, a send timed
+        out on a loaded machine, or it said ``bye``). Send it one hello: a welcome links us again, a
         ``busy`` proves it alive (judged by its records from then on), and no answer leaves it judged by
         its last beat (dead 6 intervals after it). Without this a live peer looked dead until its next
-        record, up to a refresh period later. Only while a slot is free: links never pass the maximum."""
+        record, up to a refresh period later. A ``bye`` alone is not proof of life: a stranger that said
+        it and left stayed healthy on the record it had sent for 2.5 refresh periods (75 s), and a dial
+        to the addresses in that record was the only check (issue 35, item 5). Only while a slot is free:
+        links never pass the maximum. True if the hello is on its way."""
         slots = self.overlay.slots()
         if peer_id in slots or len(slots) >= self.overlay.config.max_degree or self.policy.is_banned(peer_id):
-            return
+            return False
         self.overlay.opening.add(peer_id)
         try:
             self.core.nursery.start_soon(self._open, peer_id)
         except RuntimeError:  # the node is stopping: its nursery takes no new tasks
             self.overlay.opening.discard(peer_id)
-            return
+            return False
         self.metrics.count("neighbour_rechecks")
+        return True
 
     async def _ends_link(self, link: _Link, loop: Coroutine[Any, Any, bool | None]) -> bool:
         """Run one of a link's two loops; a failure of either (the peer hung up, a send timed out) ends the
@@ -359,7 +397,7 @@ class NeighbourLinks:
             now = trio.current_time()
             if now < next_beat:
                 await trio.sleep(URGENT_DELAY)  # let the rest of a burst join this frame
-            records = self.book.take(link.peer_id, MAX_RECORDS_PER_FRAME)
+            records = [r for r in self.book.take(link.peer_id, MAX_RECORDS_PER_FRAME) if self._passable(r)]
             frame = self._frame(FrameKind.BEAT, records)
             with trio.fail_after(SEND_TIMEOUT):
                 await link.stream.send_frame(frame)
@@ -379,6 +417,22 @@ class NeighbourLinks:
     def _own(self) -> tuple[bytes, ...]:
         own = self.book.get(self.own_peer_id)
         return () if own is None else (own.envelope,)
+
+    def _passable(self, envelope: bytes) -> bool:
+        """May a held record be passed on? Not one of a member we no longer count healthy (a neighbour
+        that left, judged by its last beat), nor one whose every address failed our own dial to its owner
+        (protocol/dial_backoff.py ``disproven``): either would send our neighbours to dial a listener that
+        is not, or no longer, its owner's. Our own record always goes."""
+        held = self.book.holding(envelope)
+        if held is None or held.peer_id == self.own_peer_id:
+            return True
+        member = self.membership.get(held.peer_id)
+        if member is None or (
+            member.state is PeerState.HEALTHY and not self.dials.disproven(member.record.multiaddrs)
+        ):
+            return True
+        self.metrics.count("records_withheld")
+        return False
 
     def _frame(self, kind: FrameKind, records: list[bytes] | tuple[bytes, ...]) -> bytes:
         return encode(NeighbourFrame(kind.value, self.clock.wall_ms(), tuple(records)))
@@ -460,6 +514,16 @@ class NeighbourLinks:
 
     def forget(self, peer_id: str) -> None:
         self.book.forget(peer_id)
+
+
+def _proof_of(planned: tuple[str, ...], *, direct: bool) -> str | None:
+    """The one address a successful dial to ``planned`` proves: the only one tried, or the only direct
+    (relayed) one when the connection is direct (relayed). Several of a kind prove none: the transport
+    does not say which answered."""
+    if len(planned) == 1:
+        return planned[0]
+    kind = [a for a in planned if ("/p2p-circuit" in a) != direct]
+    return kind[0] if len(kind) == 1 else None
 
 
 def _offence(reason: str) -> Offence | None:

@@ -3,8 +3,11 @@
 Every node runs it. It asks connected peers (bootstrap peers first) to dial it back
 (``prime_node.p2p.nat.probe_reachability``), one peer per round, quickly until it has an answer and
 every few minutes after. When the answer is "private" it reserves a circuit-relay slot on a connected
-peer (``protocol.reachability.RelayPicker``: bootstrap peers first, a refusing relay rests a minute) so
-its relayed address goes into its peer record; it re-reserves if the relay goes away. The host's DCUtR
+peer (``protocol.reachability.RelayPicker``: bootstrap peers first, then its other connected peers when
+every bootstrap relay refuses, since a relay's slots can be full or taken by strangers; a refusing relay
+rests a minute) so its relayed address goes into its peer record. It confirms the slot every round (a
+refresh; a relay may have given it to a member) and reserves again, elsewhere if need be, when the relay
+refuses or goes away. The host's DCUtR
 upgrades relayed connections by itself; this service only reports them. All of it appears in
 ``prime-node status`` as the "reachability" section (docs/nat.md).
 """
@@ -96,18 +99,31 @@ class ReachabilityService:
         if self.relay_peer is not None and self.relay_peer not in held:
             log.info("relay %s is gone; reserving again", self.relay_peer)
             self.relay_peer = self.relay_addr = None
+        elif self.relay_peer is not None and self.reserve_relay:
+            await self._confirm(context, self.relay_peer)
         if should_reserve(self.status, self.relay_peer is not None, self.reserve_relay):
             await self._reserve(context, candidates)
         needs_relay = should_reserve(self.status, self.relay_peer is not None, self.reserve_relay)
         return self.status != "unknown" and not needs_relay
 
+    async def _confirm(self, context: NodeContext, relay: str) -> None:
+        """Refresh the slot we hold; a refusal means we lost it (the relay rests, we reserve again)."""
+        try:
+            self.relay_addr = await context.host.reserve_relay(relay)
+        except NodeError as exc:
+            self.picker.failed(relay, context.clock.now())
+            log.info("relay %s no longer holds our slot (%s); reserving again", relay, exc)
+            self.relay_peer = self.relay_addr = None
+
     async def _reserve(self, context: NodeContext, candidates: list[str]) -> None:
         """Try the candidates in order (each at most once per round) until one gives us a slot."""
-        # Bootstrap peers are the public peers we know of; without any, try whoever we are connected to.
-        preferred = [c for c in candidates if c in self.preferred] or candidates
-        for _ in preferred:
+        # Bootstrap peers are the public peers we know of, so they come first; when all of them refuse
+        # (full, or filled by strangers) the other connected peers are tried: every node relays by default.
+        ordered = [c for c in candidates if c in self.preferred]
+        ordered += [c for c in candidates if c not in ordered]
+        for _ in ordered:
             now = context.clock.now()
-            relay = self.picker.pick(preferred, now)
+            relay = self.picker.pick(ordered, now)
             if relay is None:
                 return
             try:
@@ -136,6 +152,8 @@ class ReachabilityService:
             "relay": self.relay_addr,
             "relay_reserved": self.relay_peer is not None,
             "relay_serving": counters.relay_serving if counters else False,
+            "relay_clients": counters.relay_clients if counters else 0,
+            "relay_refusals": counters.relay_refusals if counters else 0,
             "dialled_in_by": counters.dialled_in_by if counters else 0,
             "direct_connections": counters.direct_connections if counters else 0,
             "relayed_connections": counters.relayed_connections if counters else 0,

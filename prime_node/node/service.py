@@ -12,6 +12,7 @@ share its host, membership and record, and the I/O-free rules they apply already
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from prime_node.errors import NodeError
 from prime_node.node.clock import NodeClock
 from prime_node.node.context import NodeContext, NodeIdentity, NodeReports, RecordPart, StatusSection
 from prime_node.node.core import NodeCore
+from prime_node.node.data_dir_lock import DataDirLock
 from prime_node.node.gossip import GossipService
 from prime_node.node.metrics import NodeMetrics
 from prime_node.node.neighbour_links import NeighbourLinks
@@ -36,6 +38,7 @@ from prime_node.node.peers import PeerPolicy
 from prime_node.node.status_api import serve_status
 from prime_node.node_config import NodeConfig
 from prime_node.p2p.interface import P2PHost, PeerAddresses
+from prime_node.p2p.local_addresses import interface_ipv4s, without_wildcards
 from protocol.membership import Membership, MembershipConfig, PeerState, StateChanged
 from protocol.overlay import OverlayConfig
 from protocol.peer_record import HardwareSummary, PeerRecord
@@ -97,6 +100,7 @@ class Node:
         self.probed_hardware = hardware
         self.api_url: str | None = None
         self.bootstrapped = trio.Event()
+        self._last_bootstrap_error = ""
         self._dialing: set[str] = set()
         self._known: set[str] = set()  # peers vouched for at the connection gate (``_update_known_peers``)
         self._host: P2PHost | None = None
@@ -196,13 +200,18 @@ class Node:
         suffix = f"/p2p/{self.identity.peer_id}"
         if self.config.announce:
             return [a if a.endswith(suffix) else a + suffix for a in self.config.announce]
-        addrs = self.host.listen_multiaddrs()
-        loopback = [a for a in addrs if a.startswith("/ip4/127.")]
-        return [a for a in addrs if not a.startswith("/ip4/0.0.0.0/")] or loopback or addrs
+        addrs = without_wildcards(self.host.listen_multiaddrs(), interface_ipv4s())
+        routable = [a for a in addrs if not a.startswith("/ip4/127.")]
+        return routable or addrs  # loopback only when that is all this node listens on
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        owned = DataDirLock(self.config.data_dir) if self.write_node_file else contextlib.nullcontext()
+        with owned:  # one node per data dir; only its owner writes node.json
+            await self._run(task_status)
+
+    async def _run(self, task_status: Any) -> None:
         self._clock = clock = NodeClock()
         try:
             async with self.open_host(self.key) as host, trio.open_nursery() as nursery:
@@ -387,7 +396,17 @@ class Node:
                     if exc.reason == "bad_multiaddr":
                         raise
                     self.metrics.count("bootstrap_failures")
-                    log.warning("bootstrap %s unreachable (retrying in %.0f s): %s", multiaddr, backoff, exc)
+                    self._last_bootstrap_error = str(exc)
+                    # Before the node is in, the deadline's one error line sums the attempts up: only
+                    # the first failure is worth a warning (a typo'd address printed six, issue 36).
+                    first = self.metrics.counters.get("bootstrap_failures", 0) <= 1
+                    log.log(
+                        logging.WARNING if first or self.bootstrapped.is_set() else logging.DEBUG,
+                        "bootstrap %s unreachable (retrying in %.1f s): %s",
+                        multiaddr,
+                        backoff,
+                        exc,
+                    )
                     await trio.sleep(backoff)
                     backoff = min(backoff * 2, BOOTSTRAP_BACKOFF_MAX)
                     continue
@@ -397,9 +416,11 @@ class Node:
         with trio.move_on_after(self.config.bootstrap_timeout):
             await self.bootstrapped.wait()
             return
+        attempts = self.metrics.counters.get("bootstrap_failures", 0)
+        last = f"; {attempts} attempts, the last: {self._last_bootstrap_error}" if attempts else ""
         raise NodeError(
             f"no bootstrap peer reachable within {self.config.bootstrap_timeout:.0f} s "
-            f"({', '.join(self.config.bootstrap)})",
+            f"({', '.join(self.config.bootstrap)}{last})",
             reason="bootstrap_unreachable",
         )
 

@@ -4,7 +4,9 @@ Choices forced by what py-libp2p 0.8.1 does (DESIGN §11):
 - Noise is the *only* security transport: the default host also accepts plaintext.
 - yamux is the only muxer; ``max_connections_per_peer=1`` avoids a 250 ms wait on every dial.
 - The node identity is the wallet's secp256k1 key, so a Noise-authenticated peer ID names an address.
-- The Kademlia DHT runs in server mode on every full node.
+- The Kademlia DHT runs in server mode on every full node. A key is provided under the sha2-256 multihash
+  of its name (protocol/dht_key.py) and our own record in its answers carries our addresses
+  (``dht_interop.py``): what go and js peers need to store our providers and dial us.
 - gossipsub's own spam limit (10 msg/s per forwarder and topic) would silently stop *forwarding* of a busy
   topic; we raise it and do flood control ourselves, per origin, in protocol/scoring.py.
 - The ``libp2p`` logger reports expected failures (a peer went away) at ERROR; we cap it at CRITICAL
@@ -35,8 +37,10 @@ import trio
 from crypto.identity import public_key_from_peer_id
 from crypto.keys import WalletKey
 from prime_node.errors import NodeError, first_node_error
+from prime_node.p2p.dht_interop import answer_with_own_addresses, offered, push_identify
 from prime_node.p2p.inbound_gate import InboundGate, KnownPeers, relax_dial_backoff
 from prime_node.p2p.interface import FramedStream, GossipHandler, GossipMessage, PeerAddresses, StreamHandler
+from prime_node.p2p.local_addresses import interface_ipv4s, without_wildcards
 from prime_node.p2p.nat import DIALBACK_PROTOCOL, NatCounters, Reachability
 from prime_node.p2p.nat_dialback import DIAL_TIMEOUT as DIALBACK_DIAL_TIMEOUT
 from prime_node.p2p.nat_dialback import request_dialback, serve_dialback
@@ -48,14 +52,19 @@ from prime_node.p2p.nat_relay import (
     fresh_dial_check,
     has_direct_connection,
     is_relayed,
+    relay_clients,
+    relay_refusals,
     relayed_addrs,
     reserve,
 )
+from prime_node.p2p.port_check import ensure_port_free
 from prime_node.p2p.provider_guard import ProviderGuard
 from prime_node.p2p.provider_lookup import find_providers as find_run_providers
 from prime_node.p2p.yamux_tuning import credit_per_half_window, tune_yamux, whole_writes
 from protocol.connection_admission import ConnectionLimits
+from protocol.dht_key import provider_key
 from protocol.reachability import DialbackLimiter, verdict
+from protocol.relay_reservations import ReservationLimits
 
 log = logging.getLogger(__name__)
 GOSSIPSUB_PROTOCOL = "/meshsub/1.1.0"
@@ -209,9 +218,11 @@ class Libp2pHost:
         self._nursery = nursery
         self._peer_id = str(parts.host.get_id())
         self._dialback_limiter = DialbackLimiter()
+        self._identify_push_due = False
         from libp2p.custom_types import TProtocol
 
         self._host.set_stream_handler(TProtocol(DIALBACK_PROTOCOL), self._on_dialback)
+        answer_with_own_addresses(self._dht, self._dialable_addrs)
 
     @property
     def peer_id(self) -> str:
@@ -227,6 +238,17 @@ class Libp2pHost:
         # (what a peer record carries).
         relayed = relayed_addrs(self._host, self._relay)
         return sorted(set(out))[: 8 - len(relayed)] + relayed if relayed else sorted(set(out))
+
+    def _dialable_addrs(self) -> list[str]:
+        """Our addresses as a DHT record carries them: no ``/p2p/<us>`` suffix, the wildcard listen
+        address replaced by this machine's interface addresses."""
+        suffix = f"/p2p/{self._peer_id}"
+        bare = [a.removesuffix(suffix) for a in self.listen_multiaddrs()]
+        return without_wildcards(bare, interface_ipv4s())
+
+    def offers(self, peer_id: str, protocol_id: str) -> bool | None:
+        """Whether ``peer_id`` serves ``protocol_id`` by its identify; None while that is not known."""
+        return offered(self._host, peer_id, protocol_id)
 
     async def connect(self, multiaddr: str) -> str:
         from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -303,7 +325,7 @@ class Libp2pHost:
         except trio.TooSlowError as exc:
             raise NodeError(f"dialing {info.peer_id} timed out", reason="dial_failed") from exc
         except Exception as exc:
-            raise NodeError(f"cannot reach {info.peer_id}: {_short(exc)}", reason="dial_failed") from exc
+            raise NodeError(f"cannot reach {info.peer_id}: {_dial_cause(exc)}", reason="dial_failed") from exc
         finally:
             network.unblock_peer(info.peer_id)
         try:
@@ -358,6 +380,17 @@ class Libp2pHost:
                 await framed.close()
 
         self._host.set_stream_handler(TProtocol(protocol_id), on_stream)
+        if not self._identify_push_due:  # one push for the handlers a role sets together
+            self._identify_push_due = True
+            try:
+                self._nursery.start_soon(self._push_identify)
+            except RuntimeError:  # the host is stopping
+                log.debug("no identify push: the host is stopping")
+
+    async def _push_identify(self) -> None:
+        await trio.sleep(0)
+        self._identify_push_due = False
+        await push_identify(self._host)
 
     async def open_stream(self, peer_id: str, protocol_id: str) -> FramedStream:
         from libp2p.custom_types import TProtocol
@@ -401,14 +434,15 @@ class Libp2pHost:
             raise NodeError(f"publishing on {topic} failed: {_short(exc)}", reason="publish_failed") from exc
 
     async def provide(self, key: str) -> None:
+        """Provide ``key`` (a name) under its sha2-256 multihash (protocol/dht_key.py)."""
         try:
-            await self._dht.provide(key)
+            await self._dht.provider_store.provide(provider_key(key))
         except Exception as exc:
             raise NodeError(f"DHT provide failed: {_short(exc)}", reason="dht_failed") from exc
 
     async def find_providers(self, key: str) -> list[PeerAddresses]:
         try:
-            found = await find_run_providers(self._dht, _dht_key(key), want=PROVIDER_LOOKUP_COUNT)
+            found = await find_run_providers(self._dht, provider_key(key), want=PROVIDER_LOOKUP_COUNT)
         except Exception as exc:
             raise NodeError(f"DHT lookup failed: {_short(exc)}", reason="dht_failed") from exc
         out = []
@@ -520,6 +554,8 @@ class Libp2pHost:
             hole_punches_failed=stats.failed,
             last_time_to_direct_s=stats.last_time_to_direct_s,
             relay_serving=self._relay.serving,
+            relay_clients=relay_clients(self._host, self._relay),
+            relay_refusals=relay_refusals(self._relay),
             dialled_in_by=self._dialled_in_by(),
         )
 
@@ -533,13 +569,6 @@ class Libp2pHost:
 
         connections = self._host.get_network().connections
         return sum(1 for conns in list(connections.values()) if any(dialled_in(c) for c in conns))
-
-
-def _dht_key(key: str) -> bytes:
-    """``key`` as the DHT stores it (what its ``provide`` does to a string key)."""
-    from libp2p.kad_dht.kad_dht import _encode_key
-
-    return bytes(_encode_key(key))
 
 
 def _ips_of(addrs: list[Any]) -> set[str]:
@@ -624,6 +653,25 @@ def _first_leaf(exc: BaseException) -> BaseException:
     return exc
 
 
+def _dial_cause(exc: BaseException, depth: int = 8) -> str:
+    """What made a dial fail, in the operating system's words where there are some ("connection
+    refused"), not py-libp2p's wrapper ("no addresses established a successful connection (with
+    exceptions)"): the first OSError with an error number down its causes, else its own first line."""
+    pending: list[tuple[BaseException, int]] = [(exc, 0)]
+    seen: set[int] = set()
+    while pending:
+        current, level = pending.pop(0)
+        if id(current) in seen or level > depth:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None and current.strerror:
+            return current.strerror.lower()
+        children = [*(getattr(current, "errors", None) or ()), *(getattr(current, "exceptions", None) or ())]
+        children += [c for c in (current.__cause__, current.__context__) if c is not None]
+        pending += [(child, level + 1) for child in children if isinstance(child, BaseException)]
+    return _short(exc)
+
+
 def _short(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return text[:200]
@@ -679,6 +727,19 @@ def _bind_error(exc: BaseException) -> OSError | None:
     return None
 
 
+def _refuse_a_port_in_use(listen_addr: Any) -> None:
+    """py-libp2p's listener sets SO_REUSEPORT, so a second node would bind a port in use and share it
+    (``port_check``): refuse that before the host starts."""
+    for protocol in ("ip4", "ip6"):
+        try:
+            host = listen_addr.value_for_protocol(protocol)
+            port = int(listen_addr.value_for_protocol("tcp"))
+        except Exception:
+            continue
+        ensure_port_free(host, port)
+        return
+
+
 def _why_bind_fails(listen_addr: Any) -> str:
     """Reproduce the bind py-libp2p attempted, to tell the user why it failed."""
     try:
@@ -722,6 +783,7 @@ def _build_host(
     *,
     relay_service: bool = False,
     hole_punching: bool = True,
+    relay_reservations: ReservationLimits | None = None,
 ) -> _HostParts:
     """The host (Noise only, yamux only, one connection per peer) behind our inbound gate, pubsub,
     gossipsub, a server-mode DHT whose provider store is budgeted per IP group, and circuit relay v2 (a
@@ -769,7 +831,14 @@ def _build_host(
     dht = KadDHT(host, DHTMode.SERVER)
     guard = ProviderGuard(swarm, dht.provider_store, limits, known)
     guard.install()
-    relay = build_relay_parts(host, relay_service=relay_service, hole_punching=hole_punching)
+    relay = build_relay_parts(
+        host,
+        relay_service=relay_service,
+        hole_punching=hole_punching,
+        reservations=relay_reservations,
+        is_known=known.has_peer,
+        group_of=limits.group_of,
+    )
     return _HostParts(host, pubsub, gossipsub, dht, known, gate, guard, relay)
 
 
@@ -811,14 +880,17 @@ async def open_libp2p_host(
     limits: ConnectionLimits | None = None,
     relay_service: bool = False,
     hole_punching: bool = True,
+    relay_reservations: ReservationLimits | None = None,
 ) -> AsyncIterator[Libp2pHost]:
     """Start a host with the wallet's identity listening on ``listen``; stop it on exit. ``limits``: the
     inbound budgets per IP group (protocol/connection_admission.py); defaults suit a home node.
-    ``relay_service``: relay for NAT'd peers (bounded, control traffic only); ``hole_punching``: DCUtR."""
+    ``relay_service``: relay for NAT'd peers (bounded, control traffic only; ``relay_reservations``: its
+    slot budget, protocol/relay_reservations.py); ``hole_punching``: DCUtR."""
     quiet_libp2p_logs()
     listen_addr = parse_multiaddr(listen, need_peer_id=False)
     if "/tcp/" not in listen:
         raise NodeError(f"listen address {listen!r} must be TCP (/ip4/.../tcp/PORT)", reason="bad_multiaddr")
+    _refuse_a_port_in_use(listen_addr)
 
     from libp2p.tools.anyio_service import background_trio_service
 
@@ -829,6 +901,7 @@ async def open_libp2p_host(
         limits or ConnectionLimits(),
         relay_service=relay_service,
         hole_punching=hole_punching,
+        relay_reservations=relay_reservations,
     )
     host = parts.host
     started = False

@@ -41,6 +41,10 @@ class NatCounters:
     """Seconds from a relayed connection's opening to the direct one hole punching made (the latest)."""
     relay_serving: bool = False
     """Whether this host serves as a relay for others (hop)."""
+    relay_clients: int = 0
+    """As a relay: peers holding a slot on us that are still connected."""
+    relay_refusals: int = 0
+    """As a relay: reservation requests refused (budget per IP group or in all, a claim for another peer)."""
     dialled_in_by: int = 0
     """Peers holding a direct (not relayed) connection that they dialled to us: evidence that others can
     reach us, which ``protocol.reachability.combine`` weighs against a failed dial-back."""

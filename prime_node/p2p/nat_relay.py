@@ -3,8 +3,13 @@
 Used only by ``libp2p_host.py`` (it knows py-libp2p's internals; the rest of the node sees
 ``nat.NatCounters``). What we take from py-libp2p and why:
 - ``CircuitV2Protocol``: every host accepts relayed connections (STOP); a host with the relay service on
-  also relays for others (HOP) within ``RELAY_LIMITS``: few reservations and circuits, each circuit
-  capped in bytes and time, so a relay carries control traffic, never pieces.
+  also relays for others (HOP) within ``relay_limits()``: few reservations and circuits, each circuit
+  capped in bytes and time, so a relay carries control traffic, never pieces. Its reservations were free
+  for the taking (issue 35: 32 keys that reserved and left held every slot for an hour), so
+  ``GuardedReservations`` replaces its resource manager's admission: a slot lasts while its holder keeps
+  a direct connection, strangers get few per IP group and some slots are kept for known members
+  (``protocol.relay_reservations``), and a RESERVE naming another peer than the connection's is refused
+  (py-libp2p believed the message, so one connection could fill every slot with made-up IDs).
 - ``CircuitV2Transport``: dials ``/p2p/RELAY/p2p-circuit/p2p/PEER`` and makes reservations. Its CLIENT
   role would reserve on every relayed dial, so it is off; we reserve explicitly.
 - ``DCUtRProtocol``: every 2 s it tries to turn relayed connections into direct ones (TCP simultaneous
@@ -18,30 +23,143 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+
+from protocol.connection_admission import ip_group
+from protocol.relay_reservations import Holder, ReservationLimits, admit_reservation
 
 log = logging.getLogger(__name__)
 RESERVE_TIMEOUT = 10.0
 RELAY_CIRCUIT_BYTES = 4 << 20
 RELAY_CIRCUIT_SECONDS = 3600
 RELAY_MAX_CIRCUITS = 32
-RELAY_MAX_RESERVATIONS = 32
+RELAY_MAX_RESERVATIONS = ReservationLimits().total
 UNILATERAL_DIAL_TIMEOUT = 2.0
 MAX_UNILATERAL_ADDRS = 8
 
 
-def relay_limits() -> Any:
+def relay_limits(reservations: ReservationLimits | None = None) -> Any:
     from libp2p.relay.circuit_v2.resources import RelayLimits
 
     return RelayLimits(
         duration=RELAY_CIRCUIT_SECONDS,
         data=RELAY_CIRCUIT_BYTES,
         max_circuit_conns=RELAY_MAX_CIRCUITS,
-        max_reservations=RELAY_MAX_RESERVATIONS,
+        max_reservations=(reservations or ReservationLimits()).total,
     )
+
+
+def _live_direct_ip(host: Any, peer_id: Any) -> str | None:
+    """The remote IP of a direct connection to ``peer_id`` that is not closing (None if it has none)."""
+    for conn in host.get_network().get_connections(peer_id):
+        try:
+            muxer = conn.muxed_conn
+            shutting_down = getattr(muxer, "event_shutting_down", None)
+            if conn.is_closed or muxer.is_closed or (shutting_down is not None and shutting_down.is_set()):
+                continue
+            if is_relayed(conn):
+                continue
+            remote = muxer.get_remote_address()
+        except Exception:
+            log.debug("no remote address for %s", peer_id, exc_info=True)
+            continue
+        if remote:
+            return str(remote[0])
+    return None
+
+
+def _guarded_reservations(
+    host: Any,
+    libp2p_limits: Any,
+    limits: ReservationLimits,
+    is_known: Callable[[str], bool],
+    group_of: Callable[[str], str],
+    outcomes: Counter[str],
+) -> Any:
+    from libp2p.relay.circuit_v2.resources import RelayResourceManager
+
+    class GuardedReservations(RelayResourceManager):
+        """py-libp2p's reservation store with our admission (module doc). Departed holders are dropped
+        whenever someone asks for a slot: that is the only time the count matters."""
+
+        def __init__(self) -> None:
+            super().__init__(libp2p_limits, host)
+            self._since: dict[Any, float] = {}
+
+        def _holder(self, peer_id: Any, since: float) -> Holder | None:
+            ip = _live_direct_ip(host, peer_id)
+            if ip is None:
+                return None
+            return Holder(str(peer_id), group_of(ip), is_known(str(peer_id)), since)
+
+        def _drop_departed(self) -> list[Holder]:
+            """The holders still connected directly; the others lose their slot now."""
+            held = []
+            for peer_id in list(self._reservations):
+                holder = self._holder(peer_id, self._since.get(peer_id, 0.0))
+                if holder is None:
+                    self._drop(peer_id, "departed")
+                else:
+                    held.append(holder)
+            return held
+
+        def _drop(self, peer_id: Any, why: str) -> None:
+            self._reservations.pop(peer_id, None)
+            self._since.pop(peer_id, None)
+            outcomes[why] += 1
+            log.debug("relay reservation of %s dropped: %s", peer_id, why)
+
+        def can_accept_reservation(self, peer_id: Any) -> bool:
+            self._clean_expired()
+            for gone in set(self._since) - set(self._reservations):
+                del self._since[gone]
+            held = self._drop_departed()
+            asker = self._holder(peer_id, trio.current_time())
+            if asker is None:
+                outcomes["not_direct"] += 1
+                return False
+            decision = admit_reservation(held, asker, limits)
+            outcomes[decision.reason] += 1
+            if decision.evict is not None:
+                victim = next(p for p in self._reservations if str(p) == decision.evict)
+                self._drop(victim, "displaced")
+            if not decision.granted:
+                log.info("relay reservation for %s refused: %s", peer_id, decision.reason)
+            return decision.granted
+
+        def create_reservation(self, peer_id: Any) -> Any:
+            self._since[peer_id] = trio.current_time()
+            return super().create_reservation(peer_id)
+
+    return GuardedReservations()
+
+
+def _guarded_protocol(
+    host: Any, libp2p_limits: Any, *, allow_hop: bool, resources: Any, outcomes: Counter[str]
+) -> Any:
+    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+    from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+
+    class GuardedCircuitV2(CircuitV2Protocol):
+        """Reservations only for the peer at the other end of the connection (module doc)."""
+
+        async def _handle_reserve(self, stream: Any, msg: Any) -> None:
+            sender = stream.muxed_conn.peer_id
+            if msg.HasField("peer") and msg.peer.id and bytes(msg.peer.id) != sender.to_bytes():
+                outcomes["claims_another_peer"] += 1
+                log.info("relay reservation from %s refused: it named another peer", sender)
+                await self._send_status(stream, StatusCode.PERMISSION_DENIED, "reserve for yourself only")
+                return
+            await super()._handle_reserve(stream, msg)
+
+    protocol = GuardedCircuitV2(host, limits=libp2p_limits, allow_hop=allow_hop)
+    protocol.resource_manager = resources
+    return protocol
 
 
 @dataclass
@@ -106,20 +224,52 @@ class RelayParts:
     stats: HolePunchStats = field(default_factory=HolePunchStats)
     reservations: dict[str, str] = field(default_factory=dict)
     """relay peer ID -> our relayed multiaddr through it."""
+    reservation_outcomes: Counter[str] = field(default_factory=Counter)
+    """As a relay: reservation requests by outcome (``protocol.relay_reservations`` reasons, and
+    ``departed``/``displaced`` for slots dropped)."""
 
 
-def build_relay_parts(host: Any, *, relay_service: bool, hole_punching: bool) -> RelayParts:
+def build_relay_parts(
+    host: Any,
+    *,
+    relay_service: bool,
+    hole_punching: bool,
+    reservations: ReservationLimits | None = None,
+    is_known: Callable[[str], bool] = lambda peer_id: False,
+    group_of: Callable[[str], str] = ip_group,
+) -> RelayParts:
+    """``reservations``: the relay's slot budget; ``is_known``: whether a peer is one the node vouches for
+    (it skips the per-group budget); ``group_of``: an IP's budget group."""
     from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
     from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 
-    limits = relay_limits()
-    protocol = CircuitV2Protocol(host, limits=limits, allow_hop=relay_service)
+    budget = reservations or ReservationLimits()
+    limits = relay_limits(budget)
+    outcomes: Counter[str] = Counter()
+    resources = _guarded_reservations(host, limits, budget, is_known, group_of, outcomes)
+    protocol = _guarded_protocol(
+        host, limits, allow_hop=relay_service, resources=resources, outcomes=outcomes
+    )
     roles = RelayRole.STOP | (RelayRole.HOP if relay_service else RelayRole(0))
     transport = CircuitV2Transport(host, protocol, RelayConfig(roles=roles, limits=limits))
     stats = HolePunchStats()
     dcutr = _counting_dcutr(host, stats) if hole_punching else None
-    return RelayParts(protocol, transport, dcutr, relay_service, stats)
+    return RelayParts(protocol, transport, dcutr, relay_service, stats, reservation_outcomes=outcomes)
+
+
+REFUSALS = ("group_full", "full", "full_of_known", "not_direct", "claims_another_peer")
+
+
+def relay_clients(host: Any, parts: RelayParts) -> int:
+    """As a relay: the peers holding a slot on us that are still connected directly."""
+    if not parts.serving:
+        return 0
+    held = list(parts.protocol.resource_manager._reservations)
+    return sum(1 for peer_id in held if _live_direct_ip(host, peer_id) is not None)
+
+
+def relay_refusals(parts: RelayParts) -> int:
+    return sum(parts.reservation_outcomes[reason] for reason in REFUSALS)
 
 
 def is_relayed(conn: Any) -> bool:
@@ -162,6 +312,7 @@ async def reserve(host: Any, parts: RelayParts, relay_peer_id: str, nursery: tri
         finally:
             await stream.close()
     if not ok:
+        parts.reservations.pop(relay_peer_id, None)  # a refused refresh: the slot is gone
         raise ConnectionError(f"relay {relay_peer_id} refused the reservation")
     address = f"/p2p/{relay_peer_id}/p2p-circuit/p2p/{host.get_id()}"
     parts.reservations[relay_peer_id] = address

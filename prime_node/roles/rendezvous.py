@@ -8,18 +8,15 @@ bad flags in a moment and tests can check every combination.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import ipaddress
 import os
 import socket
-import struct
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from prime_node.errors import NodeError
+from prime_node.p2p.local_addresses import addresses_of
 
 
 @dataclass(frozen=True)
@@ -167,23 +164,9 @@ def interface_towards(host: str, port: int) -> str:
             f"no route to the rendezvous host {host}: {exc} (pass --gloo-interface)", reason="bad_flag"
         ) from None
     for _, name in socket.if_nameindex():
-        if local in _addresses_of(name):
+        if local in addresses_of(name):
             return name
     raise NodeError(
         f"no interface holds {local}, this machine's address towards {host} (pass --gloo-interface)",
         reason="bad_flag",
     )
-
-
-def _addresses_of(name: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """The IPv4 (SIOCGIFADDR) and IPv6 (/proc/net/if_inet6) addresses of interface ``name`` (Linux)."""
-    found: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe, contextlib.suppress(OSError):
-        request = struct.pack("256s", name.encode()[:15])
-        found.add(ipaddress.IPv4Address(fcntl.ioctl(probe.fileno(), 0x8915, request)[20:24]))
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/net/if_inet6").read_text().splitlines():
-            fields = line.split()
-            if len(fields) == 6 and fields[5] == name:
-                found.add(ipaddress.IPv6Address(bytes.fromhex(fields[0])))
-    return found

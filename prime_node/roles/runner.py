@@ -46,6 +46,12 @@ from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.node.context import RecordPart
 from prime_node.roles.announcement import RunFollower, worker_run_config
+from prime_node.roles.choice import (
+    decide_role,
+    holds_trainer_key,
+    requirements_for_shape,
+)
+from prime_node.roles.progress import PROGRESS_INTERVAL_S, Progress, ProgressReporter
 
 if TYPE_CHECKING:
     from prime_node.hardware import GpuSelection
@@ -58,14 +64,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 BACKLOG_WINDOW_S = 60.0
 MAX_TRACKED = 4096
-PROMPT_TOKENS_ESTIMATE = 64
-"""Prompt tokens assumed per sequence when sizing the KV cache before any task is built."""
-CPU_STEP_BUDGET_S = 60.0
-"""A policy step of a run small enough for CPU inferers takes about this long at most (the 0.44B model's
-networked step on 2 cores: 24-30 s). A batch is still trained on while its policy is at most
-``async_level`` steps old, so a CPU inferer is useful when it generates a batch within
-``async_level + 1`` such steps."""
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 class BacklogMeter:
@@ -121,38 +119,16 @@ async def _preload_in_thread(done: trio.Event | None = None, threads: int = 0) -
             done.set()
 
 
-def needed_tokens_per_s(config: RunConfig) -> float:
-    """The slowest useful CPU inferer of the run: one batch (``samples_per_step`` x ``max_new_tokens``
-    generated tokens) within ``async_level + 1`` policy steps of ``CPU_STEP_BUDGET_S``."""
-    tokens = config.samples_per_step * config.max_new_tokens
-    return tokens / (CPU_STEP_BUDGET_S * (config.async_level + 1))
-
-
 def requirements_for(config: RunConfig, checkpoint: Path) -> RunRequirements:
-    """What the run's model needs: its parameter count and shape from the checkpoint's config.json and
-    safetensors headers (whatever dtype the file holds: no weight is read), memory in the dtype each role
-    computes in (inferers ``inference_dtype``; validators ``validator_dtype``, one copy per policy they
-    keep), and whether the run lets them compute on the CPU (``inferer_devices``,
-    ``validator_devices``). NodeError ``bad_model_dir`` for an unreadable config or header."""
+    """What the run's model needs (``choice.requirements_for_shape``): its parameter count and shape from
+    the checkpoint's config.json and safetensors headers (whatever dtype the file holds: no weight is
+    read). NodeError ``bad_model_dir`` for an unreadable config or header, or no weights."""
     from prime_node.ml.vram_plan import model_shape
-    from protocol.roles import RunRequirements
 
     shape = model_shape(checkpoint)
     if shape.params < 1:
         raise NodeError(f"{checkpoint} holds no weights (empty safetensors headers)", reason="bad_model_dir")
-    return RunRequirements.for_model(
-        param_count=shape.params,
-        dtype_bytes=DTYPE_BYTES[config.inference_dtype],
-        num_layers=max(1, shape.layers),
-        kv_width=max(0, shape.kv_heads * shape.head_dim),
-        context_tokens=PROMPT_TOKENS_ESTIMATE + config.max_new_tokens,
-        concurrent_sequences=config.samples_per_step,
-        cpu_ok="cpu" in config.inferer_devices,
-        min_tokens_per_s=needed_tokens_per_s(config),
-        validator_dtype_bytes=DTYPE_BYTES[config.validator_dtype],
-        validator_policies=config.async_level + 1,
-        validator_cpu_ok="cpu" in config.validator_devices,
-    )
+    return requirements_for_shape(config, shape)
 
 
 def measured_profile(profile: HardwareProfile, config: RunConfig, threads: int) -> HardwareProfile:
@@ -185,6 +161,10 @@ class RoleSettings:
     threads: int = 0
     """``--threads``: torch threads of the role's model work, and the cores the node offers; 0: every core
     this process may use (``hardware.default_threads``)."""
+    progress_interval_s: float = PROGRESS_INTERVAL_S
+    """At most this often a progress line to ``notify`` (``roles.progress``), and a summary on stop."""
+    progress_json: bool = False
+    """``join --json``: progress lines and the summary as JSON objects."""
 
 
 class RoleRunner:
@@ -211,6 +191,16 @@ class RoleRunner:
         self.interval = settings.interval
         self.min_dwell_s = settings.min_dwell_s
         self.threads = settings.threads
+        self.reporter = (
+            None
+            if notify is None
+            else ProgressReporter(
+                self.progress,
+                notify,
+                interval_s=settings.progress_interval_s,
+                as_json=settings.progress_json,
+            )
+        )
         self.follower = RunFollower(run_id, pinned=settings.trainer, notify=notify)
         self.meter = BacklogMeter()
         self.config: RunConfig | None = None
@@ -243,7 +233,26 @@ class RoleRunner:
             "trainer": str(pinned) if pinned is not None else None,
             "announcements": self.follower.status_rows(self._wall_ms()),
             "switches": self.switches,
+            "policy_held": newest[0] if (newest := self.swarm.newest()) is not None else None,
+            "max_steps": self.config.max_steps if self.config is not None else None,
         }
+
+    def progress(self) -> Progress | None:
+        """The contributor's view for the progress lines (None until the run is known)."""
+        if self.config is None:
+            return None
+        newest = self.swarm.newest()
+        work = self.service.status() if self.service is not None else {}
+        return Progress(
+            role=self.role,
+            policy_held=newest[0] if newest is not None else None,
+            max_steps=self.config.max_steps,
+            published=int(work.get("published", 0)) if self.role == "inferer" else 0,
+            accepted=int(work.get("accepted", 0)) if self.role == "inferer" else 0,
+            rejected=dict(work.get("rejected", {})) if self.role == "inferer" else {},
+            validated=int(work.get("validated", 0)) if self.role == "validator" else 0,
+            bytes_served=int(self.swarm.dataplane.bytes_out),
+        )
 
     def record_part(self) -> RecordPart:
         """The role chosen and the hardware --gpu selected, once known (else the node's own view)."""
@@ -258,6 +267,8 @@ class RoleRunner:
         context.add_record_source(self.record_part)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.follower.run, context)
+            if self.reporter is not None:
+                nursery.start_soon(self.reporter.run)
             task_status.started()
             preloaded = trio.Event()  # transformers' lazy imports race across threads (E2: demo crashes)
             if self.follower.trust.pinned is not None:  # unpinned: no role ever, no torch needed
@@ -296,13 +307,12 @@ class RoleRunner:
                 await trio.sleep(self.interval)
 
     def _decide(self, context: NodeContext, requirements: RunRequirements) -> RoleDecision:
-        from protocol.errors import LocalProtocolError
-        from protocol.roles import RolePolicyConfig, SwarmDemand, choose_role
+        """The swarm's demand as this node sees it, then ``choice.decide_role`` (what ``doctor`` runs)."""
+        from protocol.membership import PeerState
+        from protocol.roles import SwarmDemand
 
         assert self.profile is not None and self.config is not None
         inferers = validators = 0
-        from protocol.membership import PeerState
-
         healthy = set(context.peers_in(PeerState.HEALTHY))
         for member in context.membership.members():
             if member.peer_id in healthy:
@@ -312,17 +322,16 @@ class RoleRunner:
         backlog = self.meter.backlog(now)
         if self.role == "validator" and self.service is not None:
             backlog = int(self.service.status().get("backlog", backlog))
-        demand = SwarmDemand(backlog=backlog, inferers=inferers, validators=validators)
-        policy = RolePolicyConfig(
+        return decide_role(
+            self.profile,
+            requirements,
+            SwarmDemand(backlog=backlog, inferers=inferers, validators=validators),
+            self.state,
+            now,
             pinned=self.pinned,
-            holds_trainer_key=self.config.trainer_address is not None
-            and self.config.trainer_address.lower() == str(self.key.address).lower(),
+            holds_trainer_key=holds_trainer_key(self.config, self.key.address),
             min_dwell_s=self.min_dwell_s,
         )
-        try:
-            return choose_role(self.profile, requirements, demand, self.state, now, policy)
-        except LocalProtocolError as exc:  # --role trainer without the trainer key
-            raise NodeError(str(exc), reason="bad_role") from exc
 
     async def _switch(
         self, context: NodeContext, nursery: trio.Nursery, decision: RoleDecision, config: RunConfig

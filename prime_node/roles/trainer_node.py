@@ -17,10 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import trio
+
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.node_config import NodeConfig
 from protocol.run_announcement import MAX_BOOTSTRAP, RunAddress
+
+EVALUATION_POLL_S = 1.0
 
 if TYPE_CHECKING:
     from prime_node.ml.distributed import DistInfo
@@ -96,6 +100,22 @@ def step_line(metrics: Any) -> str:
     )
 
 
+async def echo_evaluations(trainer: Any, echo: Callable[[str], None]) -> None:
+    """One JSON line per held-out evaluation as it lands (they used to come all together after the last
+    step), until the trainer is done; its final evaluation lands before ``done`` is set."""
+    said = 0
+    while True:
+        done = trainer.done.is_set()
+        evaluations = trainer.held_out[said:]
+        for step, accuracy in evaluations:
+            echo(json.dumps({"eval_step": step, "heldout_greedy_accuracy": accuracy}))
+        said += len(evaluations)
+        if done:
+            return
+        with trio.move_on_after(EVALUATION_POLL_S):
+            await trainer.done.wait()
+
+
 def run_trainer_node(
     node_config: NodeConfig,
     parts: TrainerNode,
@@ -110,9 +130,7 @@ def run_trainer_node(
         # What joiners paste as `join --run`: the run id pinned to this key, with bootstrap addresses.
         bootstrap = tuple(node.advertised_multiaddrs()[:MAX_BOOTSTRAP])
         echo(json.dumps({"join": str(RunAddress(node_config.run_id, key.address, bootstrap))}))
-        await parts.trainer.done.wait()
-        for step, accuracy in parts.trainer.held_out:
-            echo(json.dumps({"eval_step": step, "heldout_greedy_accuracy": accuracy}))
+        await echo_evaluations(parts.trainer, echo)
 
     try:
         run_node_until_signal(

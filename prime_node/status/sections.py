@@ -21,6 +21,7 @@ from prime_node.status.values import (
     as_list,
     as_num,
     as_text,
+    compact,
     counts,
     format_bytes,
     series,
@@ -150,6 +151,8 @@ def role_view(section: Any) -> RenderableType:
         if (age := as_num(row.get("last_seen_s"))) is not None:
             line.append(f", last {age:.0f} s ago")
         grid.add_row("announced by", line)
+    if (held := as_int(data.get("policy_held"))) is not None:
+        grid.add_row("policy", step_text(held, data.get("max_steps"), None))
     if (since := as_num(data.get("since_s"))) is not None:
         grid.add_row("for", f"{since:.0f} s")
     if (switches := as_int(data.get("switches"))) is not None:
@@ -206,8 +209,18 @@ def _counter_view(title: str, section: Any, keys: tuple[str, ...], extra: tuple[
     return Panel(grid, title=title)
 
 
+ACCEPTED_IS_NOT_TRAINED = (
+    "accepted: a trusted validator's verdict; the trainer trains the accepted batches that are still "
+    "within its staleness bound when it takes them, so it may train fewer"
+)
+
+
 def rollouts_view(section: Any) -> Panel:
-    return _counter_view("rollouts", section, ("produced", "published", "accepted"))
+    panel = _counter_view("rollouts", section, ("produced", "published", "accepted"))
+    grid = panel.renderable
+    if isinstance(grid, Table):
+        grid.add_row("", Text(ACCEPTED_IS_NOT_TRAINED, style="dim"))
+    return panel
 
 
 def validation_view(section: Any) -> Panel:
@@ -226,12 +239,36 @@ def curve_text(points: list[tuple[float, float]], digits: int = 3) -> Text:
     return text
 
 
+def duration_text(seconds: float) -> str:
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
+
+
+def step_text(step: Any, max_steps: Any, steps_per_s: Any) -> Text:
+    """``306/400 · ETA 12 min 30 s (0.13 steps/s)``, or ``400/400 · the run has ended``."""
+    now, last, rate = as_int(step), as_int(max_steps), as_num(steps_per_s)
+    if now is None:
+        return Text("-")
+    if last is None or last <= 0:
+        return Text(str(now))
+    text = Text(f"{now}/{last}")
+    if now >= last:
+        text.append(" · the run has ended", style="bold green")
+    elif rate is not None and rate > 0:
+        text.append(f" · ETA {duration_text((last - now) / rate)} ({rate:.2f} steps/s)")
+    return text
+
+
 def training_view(section: Any) -> Panel:
     data = as_dict(section)
     grid = _grid()
     if (error := _error(data)) is not None:
         grid.add_row("error", error)
-    grid.add_row("step", _number(data.get("step")))
+    grid.add_row("step", step_text(data.get("step"), data.get("max_steps"), data.get("steps_per_s")))
     if device := as_text(data.get("device"), 32):
         grid.add_row("device", Text(device))
     grid.add_row("reward", curve_text(series(data.get("reward_curve"))))
@@ -250,16 +287,22 @@ def generic_view(name: str, section: Any) -> Panel:
     grid = _grid()
     data = as_dict(section)
     for key, value in list(data.items())[:MAX_ENTRIES]:
-        if isinstance(value, str):
-            shown = as_text(value)
-        elif (number := as_num(value)) is not None:
-            shown = f"{number:g}"
-        else:
-            shown = f"({type(value).__name__})"
-        grid.add_row(Text(as_text(key, 32)), Text(shown))
+        grid.add_row(Text(as_text(key, 32)), Text(compact(value, 480)))
     if not data:
         grid.add_row("", Text("(no fields)", style="dim"))
     return Panel(grid, title=Text(as_text(name, 32)))
+
+
+def other_sections_view(sections: dict[str, Any]) -> Panel:
+    """Sections the TUI has no view for, one line each (their fields as values), so a node with many
+    services still fits a terminal: the probe and reachability panels alone took ~22 rows."""
+    grid = Table.grid(padding=(0, 2))
+    names = [as_text(name, 24) for name in sections]
+    grid.add_column(style="bold", no_wrap=True, min_width=max(map(len, names), default=1))
+    grid.add_column(no_wrap=True, overflow="ellipsis")
+    for name, section in sections.items():
+        grid.add_row(Text(as_text(name, 24)), Text(compact(section, 480)))
+    return Panel(grid, title="other sections")
 
 
 def section_rates(current: Any, previous: Any, seconds: float) -> dict[str, str]:
@@ -292,7 +335,7 @@ def sections_view(sections: Any, rates: dict[str, str] | None = None) -> list[Re
             views.append(view(data[name]))
     if "training" in data:
         views.append(training_view(data["training"]))
-    for name in list(data)[:MAX_ENTRIES]:
-        if name not in KNOWN:
-            views.append(generic_view(name, data[name]))
+    others = {name: data[name] for name in list(data)[:MAX_ENTRIES] if name not in KNOWN}
+    if others:
+        views.append(other_sections_view(others))
     return views

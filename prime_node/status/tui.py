@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import select
+import sys
+import termios
 import time
+import tty
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -64,52 +68,108 @@ def _peer_row(peer: dict[str, Any]) -> list[Text]:
     ]
 
 
-def render(data: dict[str, Any], previous: dict[str, Any] | None = None, seconds: float = 0.0) -> Group:
-    """The whole status page. Missing or malformed fields render as "-" or are left out; never raises."""
-    data = as_dict(data)
-    previous = as_dict(previous) if previous is not None else None
+def _header(data: dict[str, Any], previous: dict[str, Any] | None, seconds: float) -> Panel:
+    """Who the node is and its rates, folded into few rows so the sections fit an 80×24 terminal."""
     header = Table.grid(padding=(0, 2))
-    header.add_column(style="bold")
-    header.add_column()
+    header.add_column(style="bold", no_wrap=True)
+    header.add_column(overflow="fold")
     header.add_row("address", Text(as_text(data.get("address"))))
     header.add_row("peer id", Text(as_text(data.get("peer_id"))))
-    header.add_row("role / run", Text(f"{as_text(data.get('role'), 16)} / {as_text(data.get('run'), 64)}"))
     uptime = as_num(data.get("uptime_s"))
-    header.add_row("uptime", "-" if uptime is None else f"{uptime:.0f} s")
-    listening = [as_text(m, 200) for m in as_list(data.get("multiaddrs"))[:8]]
-    header.add_row("listening", Text("\n".join(m for m in listening if m) or "-"))
+    header.add_row(
+        "role / run",
+        Text(
+            f"{as_text(data.get('role'), 16)} / {as_text(data.get('run'), 64)}"
+            + ("" if uptime is None else f" · up {uptime:.0f} s")
+        ),
+    )
+    listening = [m for m in (as_text(m, 200) for m in as_list(data.get("multiaddrs"))[:8]) if m]
+    more = f" (+{len(listening) - 1} more)" if len(listening) > 1 else ""
+    header.add_row("listening", Text((listening[0] + more) if listening else "-"))
     connected, table = as_int(data.get("connected_peers")) or 0, as_int(data.get("routing_table_size")) or 0
-    header.add_row("connections", f"{connected} (DHT routing table {table})")
     neighbours = len(as_list(data.get("neighbours")))
-    header.add_row("neighbours", f"{neighbours} (beats and peer records; the rest known from records)")
-    for label, value in _rates(data, previous, seconds).items():
-        header.add_row(label, value)
+    header.add_row("connections", f"{connected} · DHT table {table} · {neighbours} neighbours")
+    rates = _rates(data, previous, seconds)
     sections = data.get("sections")
-    rates = section_rates(sections, previous.get("sections") if previous else None, seconds)
-    for label, value in rates.items():
-        if not label.startswith("checkpoint"):
-            header.add_row(label, value)
+    section = section_rates(sections, previous.get("sections") if previous else None, seconds)
+    rates.update({label: value for label, value in section.items() if not label.startswith("checkpoint")})
+    pairs = list(rates.items())
+    for i in range(0, len(pairs), 2):
+        row = "  ·  ".join(f"{label} {value}" for label, value in pairs[i : i + 2])
+        header.add_row("rates" if i == 0 else "", Text(row))
     refused = counts(data.get("rejections"))
     if refused:
         header.add_row("refused", Text(", ".join(f"{k}={v}" for k, v in refused.items())))
+    return Panel(header, title="prime-node")
 
-    peer_list = [as_dict(peer) for peer in as_list(data.get("peers"))[:MAX_PEER_ROWS]]
-    peers = Table(title=f"peers ({len(as_list(data.get('peers')))}; * = neighbour)", expand=True)
+
+def _peers(data: dict[str, Any], rows: int = MAX_PEER_ROWS) -> Table:
+    every = as_list(data.get("peers"))
+    shown = [as_dict(peer) for peer in every[: max(0, min(rows, MAX_PEER_ROWS))]]
+    hidden = f", {len(every) - len(shown)} not shown" if len(every) > len(shown) else ""
+    peers = Table(title=f"peers ({len(every)}{hidden}; * = neighbour)", expand=True)
     for column in ("address", "peer id", "role", "state", "score", "latency", "last heard", "load"):
         peers.add_column(column)
-    for peer in peer_list:
+    for peer in shown:
         peers.add_row(*_peer_row(peer))
+    return peers
+
+
+def _events(data: dict[str, Any], rows: int = 12) -> Panel:
     lines = []
-    for event in (as_dict(e) for e in as_list(data.get("events"))[-12:]):
+    for event in (as_dict(e) for e in as_list(data.get("events"))[-max(1, rows) :]):
         at = as_num(event.get("at_s")) or 0.0
         lines.append(f"{at:>8.1f}s  {as_text(event.get('kind'), 9):<9} {as_text(event.get('text'))}")
-    events = Text("\n".join(lines) or "-")
-    return Group(
-        Panel(header, title="prime-node"),
-        *sections_view(sections, rates),
-        peers,
-        Panel(events, title="recent events"),
-    )
+    return Panel(Text("\n".join(lines) or "-"), title="recent events")
+
+
+PAGE_KEYS = "n/space next page · p previous · q quit"
+
+
+def pages(
+    data: dict[str, Any],
+    previous: dict[str, Any] | None = None,
+    seconds: float = 0.0,
+    *,
+    width: int = 80,
+    height: int = 24,
+) -> list[Group]:
+    """The live view cut into pages that each fit a ``width`` × ``height`` terminal: the identity and the
+    services' panels packed in order as they fit, then the peers, then the recent events; each page ends
+    with a footer naming the keys. A single panel taller than a page gets a page of its own (cropped)."""
+    data = as_dict(data)
+    previous = as_dict(previous) if previous is not None else None
+    sections = data.get("sections")
+    rates = section_rates(sections, previous.get("sections") if previous else None, seconds)
+    room = max(4, height - 1)  # the footer's row
+    blocks: list[RenderableType] = [_header(data, previous, seconds), *sections_view(sections, rates)]
+    blocks += [_peers(data, rows=room - 6), _events(data, rows=room - 2)]  # their borders and titles
+    measure = Console(width=width, color_system=None)
+    packed: list[list[RenderableType]] = [[]]
+    used = 0
+    for block in blocks:
+        rows = len(measure.render_lines(block, measure.options.update(width=width), pad=False))
+        if packed[-1] and used + rows > room:
+            packed.append([])
+            used = 0
+        packed[-1].append(block)
+        used += rows
+    total = len(packed)
+    return [
+        Group(*page_blocks, Text(f"page {i + 1}/{total} · {PAGE_KEYS}", style="dim"))
+        for i, page_blocks in enumerate(packed)
+    ]
+
+
+def render(data: dict[str, Any], previous: dict[str, Any] | None = None, seconds: float = 0.0) -> Group:
+    """The whole status page (``status --once``: every page in one). Missing or malformed fields render as
+    "-" or are left out; never raises."""
+    data = as_dict(data)
+    previous = as_dict(previous) if previous is not None else None
+    sections = data.get("sections")
+    rates = section_rates(sections, previous.get("sections") if previous else None, seconds)
+    views = sections_view(sections, rates)
+    return Group(_header(data, previous, seconds), *views, _peers(data), _events(data))
 
 
 def print_once(data: dict[str, Any]) -> None:
@@ -117,25 +177,65 @@ def print_once(data: dict[str, Any]) -> None:
 
 
 def live(url: str, interval: float) -> None:
+    """Refresh every ``interval`` s; keys turn pages and ``q`` quits (when standard input is a terminal)."""
     from rich.live import Live
 
     from prime_node.status.client import fetch_snapshot
 
     previous: dict[str, Any] | None = None
-    previous_at = 0.0
+    data: dict[str, Any] | None = None
+    previous_at = data_at = next_fetch = 0.0
+    number = 0
     console = Console()
-    with Live(console=console, refresh_per_second=4, screen=False) as view:
+    with _Keys() as keys, Live(console=console, refresh_per_second=4, screen=False) as view:
         while True:
-            try:
-                data = fetch_snapshot(url)
-            except NodeError as exc:
-                view.update(Panel(Text(str(exc), style="red"), title="prime-node"))
-                time.sleep(interval)
-                continue
             now = time.monotonic()
-            view.update(render(data, previous, now - previous_at))
-            previous, previous_at = data, now
+            if now >= next_fetch:
+                try:
+                    fresh = fetch_snapshot(url)
+                except NodeError as exc:
+                    view.update(Panel(Text(str(exc), style="red"), title="prime-node"))
+                else:
+                    previous, previous_at, data, data_at = data, data_at, fresh, now
+                next_fetch = now + interval
+            if data is not None:
+                width, height = console.size
+                shown = pages(data, previous, data_at - previous_at, width=width, height=height)
+                number %= len(shown)
+                view.update(shown[number])
             try:
-                time.sleep(interval)
+                key = keys.read(max(0.0, next_fetch - time.monotonic()))
             except KeyboardInterrupt:
                 return
+            if key in ("q", "Q", "\x03"):
+                return
+            if key in ("n", " ", "\t"):
+                number += 1
+            elif key in ("p", "b"):
+                number = max(0, number - 1)
+
+
+class _Keys:
+    """Single key presses from a terminal's standard input (cbreak mode, restored on exit); where standard
+    input is not a terminal it only waits."""
+
+    def __init__(self) -> None:
+        self._saved: Any = None
+
+    def __enter__(self) -> _Keys:
+        if sys.stdin.isatty():
+            self._saved = termios.tcgetattr(sys.stdin)
+            tty.setcbreak(sys.stdin)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            termios.tcsetattr(sys.stdin, termios.TCSADRAIN, self._saved)
+
+    def read(self, timeout: float) -> str:
+        """A key pressed within ``timeout`` s, or "" when none was."""
+        if self._saved is None:
+            time.sleep(timeout)
+            return ""
+        ready, _, _ = select.select([sys.stdin], [], [], timeout)
+        return sys.stdin.read(1) if ready else ""

@@ -76,3 +76,34 @@ def format_bytes(count: float) -> str:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
     return f"{count:.1f} GiB"
+
+
+def compact(value: Any, limit: int = MAX_TEXT) -> str:
+    """Any JSON-like value as one short line of values, never a Python type name: ``a=1, b=yes``,
+    ``x, y (+3)``, ``-`` for nothing. The status panels of sections the TUI has no view for use it."""
+    text = _compact(value, depth=0)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _compact(value: Any, depth: int) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if (number := as_num(value)) is not None:
+        return f"{number:g}" if isinstance(value, float) else str(int(number))
+    if isinstance(value, str):
+        return as_text(value) or '""'
+    if depth >= 2:  # deeper structure: only how much there is
+        size = len(value) if isinstance(value, dict | list | tuple) else 0
+        return f"{{{size}}}" if isinstance(value, dict) else f"[{size}]"
+    if isinstance(value, dict):
+        items = list(as_dict(value).items())
+        shown = [f"{as_text(key, 32)}={_compact(item, depth + 1)}" for key, item in items[:8]]
+        more = f" (+{len(items) - 8})" if len(items) > 8 else ""
+        return ("{" + ", ".join(shown) + more + "}") if depth else (", ".join(shown) + more or "-")
+    if isinstance(value, list | tuple):
+        shown = [_compact(item, depth + 1) for item in list(value)[:6]]
+        more = f" (+{len(value) - 6})" if len(value) > 6 else ""
+        return ", ".join(shown) + more if shown else "none"
+    return "-"

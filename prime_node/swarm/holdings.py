@@ -25,6 +25,7 @@ from prime_node.swarm.versions import Version
 from protocol.envelope import Envelope
 from protocol.manifest import Manifest
 from protocol.swarm.node import SwarmConfig
+from protocol.swarm.spread import SpreadMemory
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class Holdings:
         self.deltas: dict[bytes, dict[bytes, Manifest]] = {}
         """The checked delta manifests by the full version they produce, then by their own id."""
         self.changed = trio.Event()
+        self.spread_memory = SpreadMemory()
+        """Super-seeding's hop time and peers' records, carried from each version to the next."""
 
     def learn(self, mid: bytes, envelope: Envelope, manifest: Manifest) -> None:
         """Remember a signed manifest the caller checked (``open_manifest``) and, for a delta, its link."""
@@ -145,6 +148,7 @@ class Holdings:
             config=SwarmConfig(super_seed=origin),
             on_complete=lambda: self.on_complete(holder[0]),
             upload=self.upload,
+            memory=self.spread_memory,
         )
         version = Version(manifest, envelope, transfer, store, path, origin)
         holder.append(version)

@@ -41,6 +41,7 @@ from protocol.swarm.node import (
     Verify,
 )
 from protocol.swarm.pieceset import full_set
+from protocol.swarm.spread import SpreadMemory
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,9 @@ class CheckpointTransfer:
         config: SwarmConfig | None = None,
         on_complete: Callable[[], None] | None = None,
         upload: bool = True,
+        memory: SpreadMemory | None = None,
     ) -> None:
+        """``memory``: super-seeding's hop time and peers' records from this node's earlier versions."""
         self.manifest = manifest
         self.manifest_id = manifest.id()
         self.pieces = pieces
@@ -116,7 +119,7 @@ class CheckpointTransfer:
         self._on_complete = on_complete
         self.upload = upload
         self.node = SwarmNode(
-            self.manifest_id, manifest.piece_count, rng=rng, config=config, have=pieces.have
+            self.manifest_id, manifest.piece_count, rng=rng, config=config, have=pieces.have, memory=memory
         )
         self.completed = self.node.complete
         self.bytes_in = 0

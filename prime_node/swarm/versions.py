@@ -82,11 +82,21 @@ def open_known(envelope: Envelope, mid: bytes, trainer: Address | None) -> Manif
 
 def open_sent(message: ManifestEnvelope, trainer: Address | None) -> tuple[Envelope, Manifest]:
     """The manifest a peer sent for ``message.manifest_id``. RemoteProtocolError ``wrong_signer`` means
-    the id itself is not the trainer's (the sender is honest); any other reason, a lying sender."""
+    the id itself is not the trainer's (the manifest it pins names another signer: the sender is honest,
+    and no peer can ever send a trainer-signed one); any other reason, a lying sender. A peer that signs
+    the trainer's own manifest with its key is one of those (``inconsistent_manifest``): it must not make
+    a fetch give up on a manifest an honest peer is about to send."""
     mid = message.manifest_id
     envelope = decode(message.envelope, Envelope)
     if blake3(envelope.payload) != mid:
         raise RemoteProtocolError("manifest does not have the requested id", reason="wrong_manifest_id")
+    if trainer is not None and envelope.signer != trainer:
+        named = decode(envelope.payload, Manifest).signer
+        if named != envelope.signer:
+            raise RemoteProtocolError(
+                f"manifest names signer {named} but is signed by {envelope.signer}",
+                reason="inconsistent_manifest",
+            )
     return envelope, open_manifest(envelope, trainer=trainer or envelope.signer, expected_id=mid)
 
 

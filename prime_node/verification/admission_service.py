@@ -28,6 +28,7 @@ trainer needs no separate ``ReputationService``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
@@ -40,15 +41,21 @@ from crypto.keys import Address
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission import VerdictBook
-from prime_node.verification.batch_transfer import BatchTransfer
+from prime_node.verification.batch_transfer import BatchTransfer, ban_peer
 from prime_node.verification.reputation import ReputationService
 from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
+from prime_node.verification.validator import ROLLOUT_KIND
 from protocol.codec import decode
 from protocol.envelope import Envelope
 from protocol.errors import ProtocolError, RemoteProtocolError
-from protocol.rollout_transfer import Holder, RolloutAnnouncement, read_announcement, screen_announcement
+from protocol.rollout_transfer import (
+    Holder,
+    RolloutAnnouncement,
+    check_frame_start,
+    read_announcement,
+    screen_announcement,
+)
 from protocol.rollouts import RolloutBatch
-from protocol.scoring import Offence
 from protocol.verdict import Verdict
 
 if TYPE_CHECKING:
@@ -215,7 +222,8 @@ class AdmissionService:
         frame: bytes | None = None
         try:
             fetching = trio.current_time()
-            frame = await self.transfer.fetch(batch_id, announcement.size)
+            check = functools.partial(check_frame_start, announcement, kind=ROLLOUT_KIND)
+            frame = await self.transfer.fetch(batch_id, announcement.size, check_start=check)
             self.stages.add("fetch", trio.current_time() - fetching)
         finally:
             self._fetching.discard(batch_id)
@@ -228,10 +236,11 @@ class AdmissionService:
             self._pump()
 
     def _bad_bytes(self, holder: Holder, reason: str) -> None:
-        """A peer sent bytes that are not the batch it was asked for: BAD_DATA (protocol/scoring.py)."""
+        """A peer sent bytes that are not the batch it was asked for: banned (from the transfer's data plane
+        already; here on the node's peer scores, protocol/scoring.py)."""
         self.counts["bad_bytes"] += 1
         if self._context is not None:
-            self._context.policy.offence(holder.peer_id, Offence.BAD_DATA, f"rollout batch bytes: {reason}")
+            ban_peer(self._context.policy, holder.peer_id, f"rollout batch bytes: {reason}")
 
     def _take_frame(
         self, frame: bytes, message: Delivered, *, announced: RolloutAnnouncement | None = None

@@ -15,10 +15,18 @@ name its worker (a replay, a body that does not decode) is charged to its sender
 
 A batch too big for gossip arrives as a ``RolloutAnnouncement`` (protocol/rollout_transfer.py): it is
 refused before any byte moves if it is not its worker's, not of this run, over the run's
-``max_rollout_batch_bytes`` or for a policy too far ahead; otherwise the service's ``BatchTransfer``
-fetches it over the data plane (at most ``queue_size`` fetches pending), checks it against the id, and
-the frame then takes exactly the path of a gossiped one (screening, queues, judging, replay check). The
-validator re-announces what it fetched, so peers may fetch it from here instead of from the worker.
+``max_rollout_batch_bytes``, for a policy too far ahead, or over its worker's share of pending fetches
+(``per_worker_fetches`` and ``per_worker_fetch_bytes``: counted in ``refused_worker_fetches`` and
+``refused_worker_bytes``); past the bounds of all workers together (``queue_size`` fetches pending,
+``max_held_bytes``) a worker with fewer pending fetches evicts the newest of the worker with the most, so
+many keys announcing batches they never deliver delay only each other. Otherwise the service's
+``BatchTransfer`` fetches it over the data plane (download slots round-robin across workers, a reply
+deadline that does not grow with the announced size, a byte-rate floor per chunk: batch_transfer.py),
+checks its first bytes against the announcement and the whole against the id, and the frame then takes
+exactly the path of a gossiped one (screening, queues, judging, replay check). A worker that does not
+deliver its own announced batch is charged (``Offence.UNSOLICITED``); a peer that sends other bytes is
+banned. The validator re-announces what it fetched, so peers may fetch it from here instead of from the
+worker.
 
 Also importable from here: ``publish_batch`` (inferer), ``AdmissionService`` (trainer),
 ``ReputationService`` (any role), the topic names.
@@ -42,7 +50,7 @@ from crypto.keys import Address, WalletKey
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission_service import AcceptedBatch, AdmissionService
-from prime_node.verification.batch_transfer import BatchTransfer
+from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings, ban_peer
 from prime_node.verification.proving import rollout_domain
 from prime_node.verification.reasons import Reason
 from prime_node.verification.reputation import ReputationService
@@ -61,6 +69,7 @@ from protocol.rollout_screen import FUTURE_POLICY, MALFORMED_BATCH, offence_for,
 from protocol.rollout_transfer import (
     Holder,
     RolloutAnnouncement,
+    check_frame_start,
     read_announcement,
     screen_announcement,
 )
@@ -126,8 +135,17 @@ class ValidatorSettings:
     """Policy engines kept loaded (the run's async level + 1 covers every step a batch may claim)."""
     max_held_bytes: int = 1 << 30
     """Frames queued, waiting, being judged or being fetched, in bytes, all together: a batch announced
-    while they would pass it is not fetched (counted in ``dropped_backlog``). Gossiped frames (≤ 256 KiB
-    each) are bounded by the queue sizes."""
+    while they would pass it is not fetched (counted in ``dropped_backlog``) unless it evicts a fetch of a
+    worker with more pending (module doc). Gossiped frames (≤ 256 KiB each) are bounded by the queue
+    sizes."""
+    per_worker_fetches: int = 4
+    """Announced batches of one worker being fetched at once; beyond it its announcements are refused on
+    arrival (``refused_worker_fetches``)."""
+    per_worker_fetch_bytes: int = 256 << 20
+    """Bytes reserved for one worker's pending fetches; an announcement that would pass it is refused on
+    arrival (``refused_worker_bytes``)."""
+    transfer: TransferSettings | None = None
+    """Bounds of the service's own ``BatchTransfer`` (None: its defaults)."""
     check_policy: CheckPolicy = field(default_factory=CheckPolicy)
     device: str = "cpu"
     """Where the policy engines compute (``prime_node.hardware.select_device``)."""
@@ -139,9 +157,21 @@ class ValidatorSettings:
             self.waiting_size,
             self.per_worker_waiting,
             self.max_held_bytes,
+            self.per_worker_fetches,
+            self.per_worker_fetch_bytes,
         )
         if min(sizes) < 1 or self.policy_wait_s < 0 or self.poll_s <= 0 or self.future_steps < 0:
             raise ValueError("queue sizes must be positive, waits and future_steps non-negative")
+
+
+@dataclass
+class _Pending:
+    """A fetch in the background: what it reserved, and how to call it off."""
+
+    worker: Address
+    size: int
+    scope: trio.CancelScope
+    ended: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,6 +205,8 @@ class ValidatorService:
         self.key = key
         self.transfer = transfer
         """Fetches announced batches and re-serves them (None: one of its own, built when it runs)."""
+        self._pending: dict[Address, list[_Pending]] = {}
+        """Fetches in the background, per worker (``per_worker_fetches``)."""
         self._fetches_pending = 0
         self._held_bytes = 0
         """Bytes of the frames this service holds or is fetching (``ValidatorSettings.max_held_bytes``)."""
@@ -227,7 +259,13 @@ class ValidatorService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             if self.transfer is None:
-                self.transfer = BatchTransfer.for_node(context, self.key, on_bad_bytes=self._bad_bytes)
+                self.transfer = BatchTransfer.for_node(
+                    context,
+                    self.key,
+                    on_bad_bytes=self._bad_bytes,
+                    on_undelivered=self._undelivered,
+                    settings=self.settings.transfer,
+                )
             if not self.transfer.running:
                 await nursery.start(self.transfer.run)
             if self.trainer is not None:
@@ -269,6 +307,11 @@ class ValidatorService:
             "refused_on_arrival": self.counts["refused_on_arrival"],
             "charged": self.counts["charged"],
             "dropped_backlog": self.counts["dropped_backlog"],
+            "refused_worker_fetches": self.counts["refused_worker_fetches"],
+            "refused_worker_bytes": self.counts["refused_worker_bytes"],
+            "evicted_fetches": self.counts["evicted_fetches"],
+            "undelivered": self.counts["undelivered"],
+            "banned_senders": self.counts["banned_senders"],
             "dropped_waiting": self.counts["dropped_waiting"],
             "dropped_banned": self.counts["dropped_banned"],
             "policy_wait_timeouts": self.counts["policy_wait_timeouts"],
@@ -331,23 +374,68 @@ class ValidatorService:
             return
         if self.reputation is not None:
             self.reputation.learn(message.origin, message.origin_peer_id)
-        held = self._held_bytes + announcement.size
-        if self._fetches_pending >= self.settings.queue_size or held > self.settings.max_held_bytes:
+        worker, size = message.origin, announcement.size
+        mine = self._pending.get(worker, [])
+        if len(mine) >= self.settings.per_worker_fetches:
+            self.counts["refused_worker_fetches"] += 1
+            return
+        if sum(p.size for p in mine) + size > self.settings.per_worker_fetch_bytes:
+            self.counts["refused_worker_bytes"] += 1
+            return
+        if not self._make_room(worker, size):
             self.counts["dropped_backlog"] += 1
             return
+        pending = _Pending(worker, size, trio.CancelScope())
+        self._pending.setdefault(worker, []).append(pending)
         self._fetches_pending += 1
-        self._held_bytes += announcement.size  # reserved now: the frame is this size or refused
-        self._nursery.start_soon(self._fetch, message, announcement)
+        self._held_bytes += size  # reserved now: the frame is this size or refused
+        self._nursery.start_soon(self._fetch, message, announcement, pending)
 
-    async def _fetch(self, message: Delivered, announcement: RolloutAnnouncement) -> None:
+    def _make_room(self, worker: Address, size: int) -> bool:
+        """Whether a fetch of ``size`` bytes for ``worker`` fits all workers' bounds, after evicting (newest
+        first) fetches of workers that have more pending than ``worker`` would."""
+        settings = self.settings
+        own = len(self._pending.get(worker, ())) + 1
+        while (
+            self._fetches_pending >= settings.queue_size or self._held_bytes + size > settings.max_held_bytes
+        ):
+            others = [w for w in self._pending if w != worker and len(self._pending[w]) > own]
+            if not others:
+                return False
+            victim = max(others, key=lambda w: len(self._pending[w]))
+            self._end_pending(self._pending[victim][-1], evicted=True)
+        return True
+
+    def _end_pending(self, pending: _Pending, *, evicted: bool = False) -> None:
+        """Release what ``pending`` reserved (once); ``evicted``: also call its fetch off."""
+        if pending.ended:
+            return
+        pending.ended = True
+        queue = self._pending.get(pending.worker, [])
+        if pending in queue:
+            queue.remove(pending)
+        if not queue:
+            self._pending.pop(pending.worker, None)
+        self._fetches_pending -= 1
+        self._held_bytes -= pending.size  # _arrive counts the frame again if it keeps it
+        if evicted:
+            self.counts["evicted_fetches"] += 1
+            pending.scope.cancel()
+
+    async def _fetch(self, message: Delivered, announcement: RolloutAnnouncement, pending: _Pending) -> None:
         assert self.transfer is not None
-        try:
-            fetching = trio.current_time()
-            frame = await self.transfer.fetch(announcement.batch_id, announcement.size)
-            self.stages.add("fetch", trio.current_time() - fetching)
-        finally:
-            self._fetches_pending -= 1
-            self._held_bytes -= announcement.size  # _arrive counts the frame again if it keeps it
+        frame: bytes | None = None
+        with pending.scope:
+            try:
+                fetching = trio.current_time()
+                check = functools.partial(check_frame_start, announcement, kind=self.domain.kind)
+                frame = await self.transfer.fetch(announcement.batch_id, announcement.size, check_start=check)
+                self.stages.add("fetch", trio.current_time() - fetching)
+            finally:
+                self._end_pending(pending)
+        if pending.scope.cancelled_caught:
+            log.info("fetch of batch %s evicted", announcement.batch_id.hex()[:16])
+            return
         if frame is None:
             self.counts["fetch_failed"] += 1
             return
@@ -365,9 +453,20 @@ class ValidatorService:
             log.info("batch %s not re-announced: %s", announcement.batch_id.hex()[:16], exc)
 
     def _bad_bytes(self, holder: Holder, reason: str) -> None:
-        """A peer sent bytes that are not the batch it was asked for: BAD_DATA (protocol/scoring.py)."""
+        """A peer sent bytes that are not the batch it was asked for: banned (it is already banned from
+        the transfer's data plane; here on the node's peer scores, protocol/scoring.py)."""
         self.counts["charged"] += 1
-        self.context.policy.offence(holder.peer_id, Offence.BAD_DATA, f"rollout batch bytes: {reason}")
+        self.counts["banned_senders"] += 1
+        ban_peer(self.context.policy, holder.peer_id, f"rollout batch bytes: {reason}")
+
+    def _undelivered(self, holder: Holder, reason: str) -> None:
+        """A worker did not deliver a batch it announced itself (no reply, too slow, ``missing``, its port
+        refused): an offer it does not honour costs it as unsolicited gossip does."""
+        self.counts["charged"] += 1
+        self.counts["undelivered"] += 1
+        self.context.policy.offence(
+            holder.peer_id, Offence.UNSOLICITED, f"announced batch undelivered: {reason}"
+        )
 
     def _arrive(
         self, frame: bytes, message: Delivered, *, announced: RolloutAnnouncement | None = None

@@ -32,10 +32,17 @@ or the peer's last request to us), or a piece uploaded in the first pass that no
 within twice that while its holder has made no piece spread (or is hoarding), is *opened*: announced to
 every peer that lacks it and served to anyone, ordinary seeding for that piece. The deadline adapts to
 the swarm: ``spread_factor`` times the moving average of one hop (our upload to the receiver's ``have``),
-between ``spread_floor`` and ``spread_timeout``. Each missed deadline is a strike against the peer; a
-peer with more strikes than pieces it made spread gets one reveal at a time instead of
-``reveal_per_peer``, and its upload requests are served after everyone else's (a peer's progress counts
-the pieces we sent it, not only those it admits to holding).
+between ``spread_floor`` and ``spread_timeout`` (``spread_timeout`` only while no hop was ever measured).
+Each missed deadline is a strike against the peer; a peer with more strikes than pieces it made spread
+gets one reveal at a time instead of ``reveal_per_peer``, and its upload requests are served after
+everyone else's (a peer's progress counts the pieces we sent it, not only those it admits to holding).
+
+The hop time and each peer's strikes and spread pieces are also kept across versions, in a
+``SpreadMemory`` the caller shares between the nodes of every version it seeds (protocol/swarm/spread.py):
+a new version's deadline starts from the hops measured before (hoarders given every piece of a small
+version held it for the full ``spread_timeout`` when each version started from nothing: issue 35), peers
+that re-served before get reveals first, and while such peers are known, a peer without that record gets
+one reveal at a time in the first pass and a peer that hoarded before one at a time throughout.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.swarm.messages import Bitfield, Cancel, Have, Piece, Reject, Request
 from protocol.swarm.picker import PickerLimits, PiecePicker
 from protocol.swarm.pieceset import from_wire, full_set, to_wire
+from protocol.swarm.spread import SpreadMemory
 from protocol.swarm.uploader import UploadScheduler
 
 MAX_CANCELLED_REMEMBERED = 64
@@ -107,7 +115,8 @@ class SwarmConfig:
     serve_laggards_first: bool = True
     spread_timeout: float = 30.0
     """Super-seeding: the longest a revealed piece may go unrequested (an uploaded one: twice that) before
-    the origin serves it to everyone; also the deadline before any hop was measured."""
+    the origin serves it to everyone; also the deadline while no hop was ever measured (this version or,
+    through a shared ``SpreadMemory``, an earlier one)."""
     spread_floor: float = 0.25
     spread_factor: float = 4.0
 
@@ -138,7 +147,9 @@ class PeerSession:
 
 
 class SwarmNode:
-    """See the module doc. ``have`` is the set of pieces already verified on disk (bit i = piece i)."""
+    """See the module doc. ``have`` is the set of pieces already verified on disk (bit i = piece i);
+    ``memory``: what the node learnt on earlier versions (a fresh one when not given; the swarm's holdings
+    share one across every version they hold)."""
 
     def __init__(
         self,
@@ -148,6 +159,7 @@ class SwarmNode:
         rng: random.Random,
         config: SwarmConfig | None = None,
         have: int = 0,
+        memory: SpreadMemory | None = None,
     ) -> None:
         self.manifest_id = manifest_id
         self.piece_count = piece_count
@@ -169,8 +181,7 @@ class SwarmNode:
         """Super-seeding: pieces served to anyone because they did not spread (see the module doc)."""
         self.unspread: dict[int, tuple[Hashable, float]] = {}
         """First-pass pieces uploaded and not yet announced by another peer: receiver, upload time."""
-        self.hop_time = 0.0
-        """Moving average of one hop: our upload to the receiver's ``have`` (0: no sample yet)."""
+        self.memory = memory if memory is not None else SpreadMemory()
         self.opened_unrequested = 0
         self.opened_unspread = 0
         """Super-seeding: pieces opened because a reveal went unrequested, or an upload did not spread."""
@@ -180,6 +191,12 @@ class SwarmNode:
     @property
     def have(self) -> int:
         return self.picker.have
+
+    @property
+    def hop_time(self) -> float:
+        """Moving average of one hop: our upload to the receiver's ``have``, on this version and the
+        earlier ones sharing ``memory`` (0: no sample yet)."""
+        return self.memory.hop_time
 
     @property
     def complete(self) -> bool:
@@ -443,21 +460,21 @@ class SwarmNode:
 
     def spread_deadline(self) -> float:
         """How long a revealed piece may wait for its request (see the module doc)."""
-        config = self.config
-        if not self.hop_time:
+        config, memory = self.config, self.memory
+        if not memory.hops:
             return config.spread_timeout
-        return min(config.spread_timeout, max(config.spread_floor, config.spread_factor * self.hop_time))
+        return min(config.spread_timeout, max(config.spread_floor, config.spread_factor * memory.hop_time))
 
     def _seen(self, peer: Hashable, index: int, now: float) -> None:
         """``peer`` announced ``index``, a first-pass piece not yet seen spreading."""
         holder, sent_at = self.unspread[index]
         if peer == holder:  # one hop: our upload reached it and it verified the piece
-            sample = max(now - sent_at, 0.0)
-            self.hop_time = sample if not self.hop_time else 0.8 * self.hop_time + 0.2 * sample
+            self.memory.hop(peer, now - sent_at)
             return
         if self.peers[peer].sent >> index & 1:
             return  # it got the piece from us, not from the holder
         del self.unspread[index]
+        self.memory.spread(holder)
         session = self.peers.get(holder)
         if session is not None:
             session.spread += 1
@@ -466,12 +483,13 @@ class SwarmNode:
         """Open the pieces whose reveal or first upload missed its deadline; strike their peers."""
         deadline = self.spread_deadline()
         stuck: list[int] = []
-        for session in self.peers.values():
+        for peer, session in self.peers.items():
             for index, revealed_at in list(session.revealed.items()):
                 if now - max(revealed_at, session.last_request) >= deadline:
                     del session.revealed[index]
                     self.reveals[index] -= 1
                     session.strikes += 1
+                    self.memory.strike(peer)
                     stuck.append(index)
                     self.opened_unrequested += 1
         for index, (holder, sent_at) in list(self.unspread.items()):
@@ -488,6 +506,7 @@ class SwarmNode:
             del self.unspread[index]
             if any(not s.hoarding for s in lacking):  # it had someone to serve it to
                 self.peers[holder].strikes += 1
+                self.memory.strike(holder)
             stuck.append(index)
             self.opened_unspread += 1
         if not stuck:
@@ -534,24 +553,37 @@ class SwarmNode:
             # Pieces sent count as held (a peer cannot jump the queue by hiding them); hoarders go last.
             def progress(peer: Hashable) -> int:
                 session = peers[peer]
-                return (peer_bits[peer] | session.sent).bit_count() + count * session.hoarding
+                return (peer_bits[peer] | session.sent).bit_count() + count * self._hoarding(peer, session)
 
             started = self.uploads.start_ready(progress)
         else:
             started = self.uploads.start_ready(lambda peer: 0)
         return [Upload(peer, index) for peer, index in started]
 
+    def _hoarding(self, peer: Hashable, session: PeerSession) -> bool:
+        """It hoards on this version, or did on earlier ones (``memory``)."""
+        return session.hoarding or self.memory.hoarded(peer)
+
     def _reveal_all(self, now: float) -> list[Action]:
+        """Top up every peer's reveals, peers that re-served before first (``SpreadMemory.standing``)."""
         actions: list[Action] = []
-        for peer in list(self.peers):
+        for peer in sorted(self.peers, key=self.memory.standing):
             actions += self._reveal(peer, now)
         return actions
+
+    def _quota(self, peer: Hashable, session: PeerSession) -> int:
+        if self._hoarding(peer, session):
+            return 1
+        memory = self.memory
+        if self.never_served and memory.proven_peers and not memory.proven(peer):
+            return 1  # first pass: leave the fresh pieces to peers known to re-serve them
+        return self.config.reveal_per_peer
 
     def _reveal(self, peer: Hashable, now: float) -> list[Action]:
         """Super-seeding: top up the pieces revealed to ``peer`` (see the module doc)."""
         session = self.peers[peer]
         actions: list[Action] = []
-        quota = 1 if session.hoarding else self.config.reveal_per_peer
+        quota = self._quota(peer, session)
         while len(session.revealed) < quota:
             index = self._piece_to_reveal(session)
             if index is None:

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import inspect
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from prime_node.ml.engine import SamplingParams, TorchEngine
+from prime_node.ml.engine import SamplingParams, TorchEngine, cache_keyword
 from prime_node.ml.model import load_model
 from prime_node.ml.sampling import replay_margin, token_logprobs
 from prime_node.ml.tokenizer import load_tokenizer
@@ -74,3 +76,25 @@ def test_bad_requests_are_refused(engine: TorchEngine) -> None:
     with pytest.raises(ValueError):
         SamplingParams(0)
     assert engine.generate([], [], SamplingParams(3)) == []
+
+
+def test_generation_passes_the_cache_under_the_name_this_transformers_takes(engine: TorchEngine) -> None:
+    """transformers 5.x renamed ``past_key_values`` to ``cache``: the old name warned on every start
+    (issue 36: noise that looks like failure) and goes away in 5.40."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FutureWarning from the forward would fail here
+        completions = engine.generate(PROMPTS, [1, 2, 3], SamplingParams(max_new_tokens=4))
+    assert all(c.tokens for c in completions)
+    parameters = inspect.signature(engine._decoder.forward).parameters
+    assert cache_keyword(engine._decoder) in parameters
+
+
+def test_the_cache_keyword_follows_the_forward_signature() -> None:
+    class New:
+        def forward(self, input_ids: object = None, cache: object = None) -> None: ...
+
+    class Old:
+        def forward(self, input_ids: object = None, past_key_values: object = None) -> None: ...
+
+    assert cache_keyword(New()) == "cache"
+    assert cache_keyword(Old()) == "past_key_values"

@@ -176,6 +176,46 @@ def test_port_in_use_is_one_line(tmp_path: Path) -> None:
     _assert_one_line_error(result, "cannot listen")
 
 
+def test_a_second_node_on_a_running_nodes_port_is_refused_and_names_it(tmp_path: Path) -> None:
+    """py-libp2p's listener sets SO_REUSEPORT: a second ``join`` on the same port used to bind it beside
+    the first and advertise it under its own peer id (issue 36)."""
+    first = _join(tmp_path / "first")
+    try:
+        document = _wait_for_node_file(tmp_path / "first", first)
+        port = int(str(document["multiaddrs"][0]).split("/tcp/")[1].split("/")[0])  # type: ignore[index]
+        result = _run_cli(
+            "join",
+            "--data-dir",
+            str(tmp_path / "second"),
+            "--new-wallet",
+            "--no-password",
+            "--light-kdf",
+            "--listen",
+            f"/ip4/127.0.0.1/tcp/{port}",
+        )
+        _assert_one_line_error(result, f"port {port} is in use (by pid {first.pid}: ")
+        assert first.poll() is None
+        assert json.loads((tmp_path / "first" / "node.json").read_text())["state"] == "running"
+    finally:
+        _terminate(first)
+
+
+def test_a_second_node_on_a_data_dir_in_use_names_its_holder_and_touches_nothing(tmp_path: Path) -> None:
+    """A second node on the same data dir used to run beside the first and, on exit, mark the first one's
+    node.json stopped (issue 36)."""
+    first = _join(tmp_path / "node")
+    try:
+        before = _wait_for_node_file(tmp_path / "node", first)
+        second = _run_cli(
+            "join", "--data-dir", str(tmp_path / "node"), "--no-password", "--listen", "/ip4/127.0.0.1/tcp/0"
+        )
+        _assert_one_line_error(result=second, fragment=f"is in use by pid {first.pid} (")
+        assert json.loads((tmp_path / "node" / "node.json").read_text()) == before
+        assert first.poll() is None
+    finally:
+        _terminate(first)
+
+
 def test_unreachable_bootstrap_is_one_line_after_the_timeout(tmp_path: Path) -> None:
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
@@ -196,6 +236,10 @@ def test_unreachable_bootstrap_is_one_line_after_the_timeout(tmp_path: Path) -> 
         "3",
     )
     _assert_one_line_error(result, "no bootstrap peer reachable")
+    # one warning for the first failed attempt, the count and the last reason in the error (issue 36: a
+    # typo'd address printed six "retrying in 0 s" lines before the error)
+    assert result.stderr.count("unreachable (retrying in") == 1, result.stderr
+    assert "attempts, the last: " in result.stderr
 
 
 def test_status_without_a_node_is_one_line(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from prime_node.errors import NodeError
 from prime_node.p2p.interface import FramedStream, PeerAddresses
 from prime_node.p2p.libp2p_host import Libp2pHost, open_libp2p_host
 from protocol.connection_admission import ConnectionLimits
+from protocol.dht_key import provider_key
 from tests.p2p.helpers import make_config, sees_all, start_node, wait_until
 
 OPEN = functools.partial(open_libp2p_host, listen="/ip4/127.0.0.1/tcp/0")
@@ -200,7 +201,6 @@ async def test_one_address_holds_at_most_k_identities_at_once_and_known_peers_ar
 
 
 async def test_a_crowd_of_sybil_provider_records_does_not_hide_the_honest_providers() -> None:
-    from libp2p.kad_dht.kad_dht import _encode_key
     from libp2p.peer.id import ID
     from libp2p.peer.peerinfo import PeerInfo
     from multiaddr import Multiaddr
@@ -215,7 +215,7 @@ async def test_a_crowd_of_sybil_provider_records_does_not_hide_the_honest_provid
         sybils = [record("203.0.113", n) for n in range(26)]
         honest = [record("198.51.100", 7), record("192.0.2", 9)]
         for info in [*sybils, *honest]:  # the Sybils came first
-            store.add_provider(_encode_key(run_key), info)
+            store.add_provider(provider_key(run_key), info)
         found = [p.peer_id for p in await node.find_providers(run_key)]
         honest_ids = {str(info.peer_id) for info in honest}
         sybil_ids = {str(info.peer_id) for info in sybils}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -134,3 +137,29 @@ def test_listing_gpus_on_a_machine_without_them(tmp_path: Path) -> None:
         pytest.skip("this machine has GPUs")
     with pytest.raises(NodeError, match="no GPU 0"):
         probe(parse_gpu_selection("0"), tmp_path)
+
+
+def test_the_torch_probe_waits_for_an_import_another_thread_has_started() -> None:
+    """``join`` imports torch in a thread beside the hardware probe: the probe used to read the half-made
+    module and log "torch.cuda probe failed: partially initialized module 'torch' has no attribute
+    'cuda'" on an ordinary start (issue 36). A fresh process, so torch is really being imported."""
+    program = textwrap.dedent(
+        """
+        import logging, sys, threading
+        logging.basicConfig(level=logging.WARNING)
+        from prime_node import hardware
+        threading.Thread(target=lambda: __import__("torch"), daemon=True).start()
+        while "torch" not in sys.modules:
+            pass
+        half_made = getattr(sys.modules["torch"].__spec__, "_initializing", False)
+        found = hardware._probe_torch()
+        print("half_made", half_made, "found", found)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "half_made True" in result.stdout  # the probe did meet a module still being imported
+    assert "found ()" in result.stdout or "found ((" in result.stdout  # an answer: no GPU, or the GPUs
+    assert "probe failed" not in result.stderr

@@ -9,6 +9,7 @@ advances on accepted batches only: nothing the cheater produced is ever trained 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,13 @@ def warm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _joiner(
-    tmp_path: Path, index: int, key: WalletKey, role: str, trainer: Any, adversary: str | None = None
+    tmp_path: Path,
+    index: int,
+    key: WalletKey,
+    role: str,
+    trainer: Any,
+    adversary: str | None = None,
+    lines: list[str] | None = None,
 ) -> tuple[SwarmService, RoleRunner]:
     swarm = SwarmService(
         key=key,
@@ -56,7 +63,10 @@ def _joiner(
         swarm=swarm,
         data_dir=tmp_path / f"node{index}",
         gpus=GpuSelection("none"),
-        settings=RoleSettings(pinned=role, trainer=trainer, adversary=adversary, interval=0.5),
+        settings=RoleSettings(
+            pinned=role, trainer=trainer, adversary=adversary, interval=0.5, progress_interval_s=1.0
+        ),
+        notify=None if lines is None else lines.append,
     )
     return swarm, runner
 
@@ -92,6 +102,7 @@ async def test_checkpoints_flow_batches_are_validated_and_only_accepted_ones_are
             )
             boot = (trainer_node.advertised_multiaddrs()[0],)
             joiners = {}
+            honest_lines: list[str] = []  # what the honest contributor's terminal says
             for index, (key, role, pin, adversary) in enumerate(
                 [
                     (validator_key, "validator", trainer_key.address, None),
@@ -100,7 +111,8 @@ async def test_checkpoints_flow_batches_are_validated_and_only_accepted_ones_are
                 ],
                 start=1,
             ):
-                swarm, runner = _joiner(tmp_path, index, key, role, pin, adversary)
+                lines = honest_lines if key is honest_key else None
+                swarm, runner = _joiner(tmp_path, index, key, role, pin, adversary, lines)
                 node, _ = await start_node(
                     nursery,
                     OPEN,
@@ -144,8 +156,17 @@ async def test_checkpoints_flow_batches_are_validated_and_only_accepted_ones_are
             assert validator_node.status_sections["role"]()["role"] == "validator"
             assert validator_node.status_sections["validation"]()["accepted"] >= 2
             assert cheater_runner.status()["role"] == "inferer"
+            # the contributor's terminal: the run followed, its rollouts' fate, the run's end, and on stop
+            # a summary (issue 36)
+            assert any("following trainer" in line for line in honest_lines)
+            await wait_until(lambda: "the run has ended" in honest_lines[-1], timeout=60)
+            assert honest_lines[-1].startswith("inferer · policy 3/3 · rollouts: ")
+            said = re.search(r"(\d+) published, (\d+) accepted, 0 rejected", honest_lines[-1])
+            assert said is not None and int(said[2]) >= 2, honest_lines[-1]
             nursery.cancel_scope.cancel()
     parts.trainer.close()
+    assert honest_lines[-1].startswith("stopped after ") and "as inferer" in honest_lines[-1]
+    assert "accepted by validators" in honest_lines[-1] and "the run had ended" in honest_lines[-1]
     checkpoints = sorted(p.name for p in (tmp_path / "trainer-out" / "checkpoints").iterdir())
     assert "step_00000003" in checkpoints
     assert (tmp_path / "trainer-out" / "rollouts.log").stat().st_size > 0

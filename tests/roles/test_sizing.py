@@ -24,7 +24,8 @@ from prime_node.hardware import (
     role_threads,
 )
 from prime_node.ml.architectures import create_model, model_shape, write_model_dir
-from prime_node.roles.runner import measured_profile, needed_tokens_per_s, requirements_for
+from prime_node.roles.choice import needed_tokens_per_s
+from prime_node.roles.runner import measured_profile, requirements_for
 from prime_node.roles.trainer_service import trainer_threads
 from protocol.roles import (
     INFERER,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import re
 from typing import Any
 
@@ -290,7 +291,10 @@ sections_strategy = st.dictionaries(section_names | st.text(max_size=10), json_v
 @given(sections_strategy, st.one_of(st.none(), sections_strategy))
 def test_render_never_raises_on_any_sections(sections: dict[str, Any], before: dict[str, Any] | None) -> None:
     previous = None if before is None else document(sections=before)
-    text_of(render(document(sections=sections), previous, 1.5), width=100)
+    text = text_of(render(document(sections=sections), previous, 1.5), width=100)
+    given_text = json.dumps([sections, before])
+    for name in ("dict", "list", "NoneType", "bool", "int", "float", "str"):  # values, never type names
+        assert f"({name})" not in text or f"({name})" in given_text
     text_of(render_swarm([document(sections=sections), {"sections": before}]), width=100)
 
 

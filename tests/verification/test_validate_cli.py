@@ -14,6 +14,8 @@ pytest.importorskip("torch")
 
 from prime_node.ml.model import create_tiny_model, save_model_dir
 from prime_node.testing.adversary import build_scenario
+from protocol.codec import decode
+from protocol.envelope import Envelope
 from tests.cli_in_process import run_cli
 
 CONFIG = """
@@ -81,9 +83,18 @@ def test_a_tampered_or_truncated_file_is_a_clear_rejection(
     tampered = judge("tampered.batch")
     assert tampered.returncode == 2 and "Traceback" not in tampered.stderr
     assert tampered.stdout.startswith("rejected") and "sampling_mismatch" in tampered.stdout
+    # Bytes that are no signed batch name no worker to judge: an error, never a verdict (issue 36: a
+    # truncated file, run.toml or the trainer's unsigned rollouts.log frames were "rejected" as cheats).
     cut = judge("cut.batch", "--json")
-    assert cut.returncode == 2 and "Traceback" not in cut.stderr
-    assert json.loads(cut.stdout)["reasons"] == ["malformed_envelope"]
+    assert cut.returncode == 1 and "Traceback" not in cut.stderr and not cut.stdout
+    assert "not a signed rollout batch" in cut.stderr
+    config = run_cli(capsys, "validate", str(files["config"]), "--model", str(files["model"]))
+    assert config.returncode == 1 and "not a signed rollout batch" in config.stderr
+    unsigned = files["root"] / "unsigned.batch"
+    signed = decode((files["root"] / "honest.batch").read_bytes(), Envelope)
+    unsigned.write_bytes(signed.payload)  # the encoded batch alone, as the trainer's rollouts.log keeps it
+    logged = run_cli(capsys, "validate", str(unsigned), "--model", str(files["model"]))
+    assert logged.returncode == 1 and "an unsigned rollout batch" in logged.stderr
 
 
 def test_a_missing_model_is_one_line_of_error(files: dict[str, Path]) -> None:
