@@ -27,9 +27,6 @@ from prime_node.swarm.delta_codec import DeltaError, DeltaStats, apply_delta, en
 from protocol.errors import InvariantError
 from protocol.manifest import DELTA_FILE_NAME, Manifest, build_manifest, sign_manifest
 
-MAX_CHAIN = 8
-"""Deltas a peer applies in a row to reach a version from a full version it holds."""
-
 
 @dataclass(frozen=True)
 class Published:

@@ -22,16 +22,17 @@ step and, given the directory of a full version it holds as the base, also a del
 the background and announced instead of the full one when it is small enough and ready within
 ``DELTA_WAIT`` of it (else after it: a slow delta never delays a policy; docs/deltas.md). A peer given
 a delta (followed, or ``fetch`` of its id) rebuilds the full version from a full version it holds,
-through a chain of up to ``MAX_CHAIN`` known deltas if need be, checks it piece by piece against the
-target's own signed manifest and then holds and serves that full version; when no chain reaches a held
-version, or a delta does not rebuild the target (``bad_delta``), it fetches the full version instead.
-``locate``, ``newest`` and ``wait_newer`` only ever name full directories.
+through a chain of known deltas if need be, checks it piece by piece against the target's own signed
+manifest and then holds and serves that full version; when no chain reaches a held version, or a delta
+does not rebuild the target (``bad_delta``), it fetches the full version instead. Which way, and which
+obtain builds which version, is the sans-IO planner's (protocol/swarm/rebuild.py); ``DeltaChain``
+(delta_chain.py) carries its plans out. ``locate``, ``newest`` and ``wait_newer`` only ever name full
+directories.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import random
 import shutil
 from collections.abc import Callable
@@ -49,7 +50,8 @@ from prime_node.node.clock import NodeClock
 from prime_node.node.context import NodeContext, RecordPart
 from prime_node.node.gossip import Delivered
 from prime_node.swarm.checkpoint import SharedCheckpoint, build_checkpoint
-from prime_node.swarm.delta_versions import MAX_CHAIN, Published, encode_delta_version, rebuild_full
+from prime_node.swarm.delta_chain import DeltaChain
+from prime_node.swarm.delta_versions import Published, encode_delta_version
 from prime_node.swarm.exchange import VersionExchange
 from prime_node.swarm.holdings import Holdings
 from prime_node.swarm.neighbours import MAX_NEIGHBOURS, keep_neighbours
@@ -59,11 +61,12 @@ from prime_node.swarm.versions import Version, open_known
 from protocol.codec import decode, encode
 from protocol.envelope import Envelope
 from protocol.errors import RemoteProtocolError
-from protocol.manifest import DELTA_FILE_NAME, Manifest, open_manifest
+from protocol.manifest import Manifest, open_manifest
 from protocol.peer_record import peer_id_of
 from protocol.scoring import Offence
 from protocol.swarm.catalogue import Catalogue, CatalogueAction
 from protocol.swarm.messages import MAX_ANNOUNCED_ENVELOPE_BYTES, Announce
+from protocol.swarm.rebuild import Build
 from protocol.topics import CHECKPOINTS_TOPIC
 
 log = logging.getLogger(__name__)
@@ -151,18 +154,19 @@ class SwarmService:
         self._context: NodeContext | None = None
         self._nursery: trio.Nursery | None = None
         self._port: int | None = None
-        self._building: dict[bytes, trio.Event] = {}
-        """Full versions being obtained through deltas (or their fallback), by id: set when that ends."""
-        self._building_step: dict[bytes, int] = {}
-        """The step of the delta each of those goes through: a rebuild only waits for an older one, so
-        deltas a trainer signed in a circle (A from B, B from A) cannot make two rebuilds wait for each
-        other."""
+        self.chain = DeltaChain(
+            self.holdings,
+            self.layout,
+            start_fetch=self._start_fetch,
+            get_manifest=self.get_manifest,
+            hold=self._hold,
+            drop=partial(self._drop_version, delete=True),
+            retain=lambda: self.exchange.apply(self.catalogue.retain()),
+        )
         self._encoding = trio.Lock()
         """Held while a delta is encoded: the encodes of successive steps take turns on the cores."""
         self._opening: dict[bytes, trio.Event] = {}
         """Versions whose piece store is being opened (in a worker thread): set when it is held, or not."""
-        self.reconstructions = 0
-        self.bad_deltas = 0
         self.delta_bytes_in = 0
 
     # --- settings the role runner changes once the run is announced -----------------------------------
@@ -460,22 +464,17 @@ class SwarmService:
         if version is None:
             envelope, manifest = await self.get_manifest(manifest_id)
             if manifest.is_delta:
-                return await self._fetch_via_delta(manifest, out)
+                return await self.chain.fetch(manifest, out)
             version = self.versions.get(manifest_id)
             if version is None:
                 version = await self._start_fetch(manifest, envelope, out)
         elif version.manifest.is_delta:
-            return await self._fetch_via_delta(version.manifest, out)
+            return await self.chain.fetch(version.manifest, out)
         await version.done.wait()
         if version.error is not None:
             raise version.error
         assert version.path is not None
         return version.path
-
-    async def _fetch_via_delta(self, delta: Manifest, out: Path | None) -> Path:
-        full = await self._obtain_full(delta.target, via=delta, out=out, wait=math.inf)
-        assert full is not None and full.path is not None
-        return full.path
 
     async def get_manifest(self, mid: bytes) -> tuple[Envelope, Manifest]:
         """The signed manifest ``mid``, from memory or asked of every neighbour (waits until one answers;
@@ -510,9 +509,9 @@ class SwarmService:
             "bytes_in": self.dataplane.bytes_in,
             "bytes_out": self.dataplane.bytes_out,
             "peers": len(self.dataplane.links),
-            "reconstructions": self.reconstructions,
+            "reconstructions": self.chain.reconstructions,
             "delta_bytes_in": self.delta_bytes_in,
-            "bad_deltas": self.bad_deltas,
+            "bad_deltas": self.chain.bad_deltas,
             "fallback_peers": sum(link.fallback for link in self.dataplane.links.values()),
             "by_peer": self.dataplane.traffic.status(),
             **self.dataplane.stats.status(),
@@ -566,7 +565,7 @@ class SwarmService:
             if manifest.run != self.run_id:
                 log.warning("not following %s: it belongs to run %s", mid.hex()[:16], manifest.run)
                 self.catalogue.follow_ended(mid)
-            elif manifest.is_delta or self.holdings.delta_to(mid) is not None or mid in self._building:
+            elif manifest.is_delta or self.holdings.delta_to(mid) is not None or self.chain.in_flight(mid):
                 self._follow_via_delta(manifest)
             elif mid not in self.versions and mid not in self._opening:
                 self.nursery.start_soon(self._follow_full, manifest, envelope)
@@ -579,184 +578,21 @@ class SwarmService:
         through the delta (or its fallback) unless it is held or on its way already."""
         delta = manifest if manifest.is_delta else self.holdings.delta_to(manifest.id())
         target = manifest.target if manifest.is_delta else manifest.id()
-        if delta is None or target in self.versions or target in self._building:
+        if delta is None or target in self.versions or self.chain.in_flight(target):
             self.catalogue.follow_ended(manifest.id())
             return
-        self._building[target] = trio.Event()  # claimed now: the task starts later
-        self._building_step[target] = delta.step
-        self.nursery.start_soon(self._follow_delta, delta)
+        build = self.chain.claim(target, delta)  # claimed now: the task starts later
+        self.nursery.start_soon(self._follow_delta, delta, build)
 
-    async def _follow_delta(self, delta: Manifest) -> None:
-        target = delta.target
+    async def _follow_delta(self, delta: Manifest, build: Build[Manifest]) -> None:
         try:
-            await self._obtain_full(target, via=delta, out=None, wait=FOLLOW_MANIFEST_WAIT, claimed=True)
+            await self.chain.obtain(build, out=None, wait=FOLLOW_MANIFEST_WAIT)
         except NodeError as exc:
-            log.warning("could not obtain step %d (%s): %s", delta.step, target.hex()[:16], exc)
+            log.warning("could not obtain step %d (%s): %s", delta.step, build.target.hex()[:16], exc)
         finally:
-            for mid in (delta.id(), target):
+            for mid in (delta.id(), build.target):
                 if mid not in self.versions:
                     self.catalogue.follow_ended(mid)
-
-    async def _obtain_full(
-        self,
-        target: bytes,
-        *,
-        via: Manifest | None,
-        out: Path | None,
-        wait: float,
-        depth: int = 0,
-        fallback: bool = True,
-        claimed: bool = False,
-        below: int | None = None,
-    ) -> Version | None:
-        """The full version ``target`` held complete: one held or on its way, else rebuilt through the
-        delta ``via`` (or a known one), else (``fallback``) fetched whole; None when a chain link
-        (``fallback`` False) cannot be rebuilt. ``claimed``: the caller registered ``_building[target]``;
-        ``below``: only through a delta of an earlier step (a chain link)."""
-        while not claimed:
-            version = self.versions.get(target)
-            if version is not None:
-                await version.done.wait()
-                if version.error is not None:
-                    raise version.error
-                return version
-            building = self._building.get(target)
-            if building is None:
-                self._building[target] = trio.Event()
-                break
-            await building.wait()
-        try:
-            built = await self._rebuild(target, via, out, depth, wait, below)
-            if built is not None or not fallback:
-                return built
-            log.info("fetching %s whole (no delta leads to it from a version held)", target.hex()[:16])
-            return await self._fetch_full(target, out, wait)
-        finally:
-            self._building_step.pop(target, None)
-            self._building.pop(target).set()
-
-    async def _rebuild(
-        self,
-        target: bytes,
-        via: Manifest | None,
-        out: Path | None,
-        depth: int,
-        wait: float,
-        below: int | None,
-    ) -> Version | None:
-        """Rebuild ``target`` through a delta from a held base (reached by a chain if need be), or None."""
-        delta = via if via is not None else self.holdings.delta_to(target)
-        if delta is None or depth >= MAX_CHAIN or (below is not None and delta.step >= below):
-            return None
-        self._building_step[target] = delta.step
-        try:
-            base = await self._base_of(delta, depth, wait)
-            if base is None:
-                log.debug("no held version leads to step %d through deltas", delta.step)
-                return None
-            return await self._apply(delta, base, out, wait)
-        except NodeError as exc:
-            if exc.reason != "bad_delta":
-                log.warning("could not rebuild step %d from a delta: %s", delta.step, exc)
-            return None
-
-    async def _base_of(self, delta: Manifest, depth: int, wait: float) -> Version | None:
-        """The full version ``delta`` applies to, held or rebuilt through the chain of known deltas."""
-        held = self.holdings.full(delta.base)
-        if held is not None:
-            return held if held.step < delta.step else None
-        under_way = self.versions.get(delta.base)
-        if under_way is not None and under_way.step >= delta.step:
-            return None
-        if self._building_step.get(delta.base, -1) >= delta.step:
-            return None  # never wait for a rebuild of the same or a later step: no waiting in a circle
-        if under_way is not None or delta.base in self._building:
-            return await self._obtain_full(
-                delta.base, via=None, out=None, wait=wait, depth=depth + 1, fallback=False, below=delta.step
-            )
-        previous = self.holdings.delta_to(delta.base)
-        if previous is None or previous.step >= delta.step or depth + 1 >= MAX_CHAIN:
-            return None
-        return await self._obtain_full(
-            delta.base, via=previous, out=None, wait=wait, depth=depth + 1, fallback=False, below=delta.step
-        )
-
-    async def _apply(self, delta: Manifest, base: Version, out: Path | None, wait: float) -> Version:
-        """Fetch ``delta``, rebuild its target from ``base`` and hold the target as a complete version."""
-        delta_id = delta.id()
-        fetched = self.versions.get(delta_id)
-        if fetched is None:
-            envelope = self.known.get(delta_id)
-            if envelope is None:
-                raise NodeError(f"no manifest for delta {delta_id.hex()}", reason="manifest_not_found")
-            # held once this returns: its base stays while it waits
-            fetched = await self._start_fetch(delta, envelope, None)
-        full_envelope, full = await self._target_manifest(delta, wait)
-        await fetched.done.wait()
-        if fetched.error is not None:
-            raise fetched.error
-        held = self.versions.get(full.id())
-        if held is not None:  # fetched whole meanwhile
-            await held.done.wait()
-            return held
-        assert fetched.path is not None and base.path is not None
-        directory = out if out is not None else self.layout.checkpoint_dir(full)
-        if out is None and directory.exists():
-            shutil.rmtree(directory)  # our own leftover from a run killed between rename and cleanup
-        delta_file, base_dir = fetched.path / DELTA_FILE_NAME, base.path
-        try:
-            await trio.to_thread.run_sync(lambda: rebuild_full(base_dir, delta_file, full, directory))
-        except NodeError as exc:
-            if exc.reason == "bad_delta":
-                self.bad_deltas += 1
-                log.error(  # the trainer signed it: the trainer is at fault, not the peers that sent it
-                    "refusing the trainer's delta %s for step %d (bad_delta): %s; fetching the step whole",
-                    delta_id.hex()[:16],
-                    delta.step,
-                    exc,
-                )
-                self.holdings.forget_delta(delta)
-                if self.versions.get(delta_id) is fetched:
-                    self._drop_version(fetched, delete=True)
-            raise
-        if out is None:
-            self.layout.save_envelope(full.id(), full_envelope)
-        source = OriginDirectory(directory, full)
-        version = self._hold(
-            self.holdings.add(full, full_envelope, source, store=None, path=directory, origin=False)
-        )
-        self.reconstructions += 1
-        log.info("step %d rebuilt from delta %s: %s", full.step, delta_id.hex()[:16], directory)
-        self.exchange.apply(self.catalogue.retain())
-        return version
-
-    async def _target_manifest(self, delta: Manifest, wait: float) -> tuple[Envelope, Manifest]:
-        """The trainer-signed full manifest ``delta`` produces (same run and step)."""
-        envelope, full = await self._manifest_within(delta.target, wait)
-        if full.is_delta or full.run != delta.run or full.step != delta.step:
-            raise NodeError(
-                f"delta {delta.id().hex()[:16]} names a target that is not step {delta.step}'s full version",
-                reason="bad_delta",
-            )
-        return envelope, full
-
-    async def _manifest_within(self, mid: bytes, wait: float) -> tuple[Envelope, Manifest]:
-        with trio.move_on_after(wait):
-            return await self.get_manifest(mid)
-        raise NodeError(f"no peer sent manifest {mid.hex()} within {wait:.0f} s", reason="manifest_not_found")
-
-    async def _fetch_full(self, target: bytes, out: Path | None, wait: float) -> Version:
-        """Fetch the full version ``target`` whole (the fallback of every delta)."""
-        envelope, manifest = await self._manifest_within(target, wait)
-        if manifest.is_delta:
-            raise NodeError(f"{target.hex()} names a delta, not a full version", reason="bad_delta")
-        version = self.versions.get(target)
-        if version is None:
-            version = await self._start_fetch(manifest, envelope, out)
-        await version.done.wait()
-        if version.error is not None:
-            raise version.error
-        return version
 
     def _on_complete(self, version: Version) -> None:
         if not version.origin and version.path is None:
