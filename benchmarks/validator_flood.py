@@ -73,10 +73,9 @@ def _one(workdir: Path, *, steps: int, attack: bool, rate_hz: float, timeout_s: 
 
 def _honest_batches(scenario: Any, batches: int, cache: Path | None) -> list[Any]:
     """The worker's batches, generated (minutes on 2 cores) or read back from ``cache``."""
+    from crypto.keys import WalletKey
     from protocol.codec import decode, encode
     from protocol.rollouts import RolloutBatch
-
-    from crypto.keys import WalletKey
 
     stored = cache / f"honest-{batches}.bin" if cache is not None else None
     if stored is not None and stored.exists():

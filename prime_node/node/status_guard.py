@@ -28,9 +28,10 @@ def is_loopback_host(host: bytes) -> bool:
 
 
 def own_origins(port: int) -> frozenset[bytes]:
-    """The serialized origins of the API itself on ``port`` (a browser omits the scheme's default port)."""
-    suffix = b"" if port == 80 else b":%d" % port
-    return frozenset(b"http://" + host + suffix for host in LOOPBACK_HOSTS)
+    """The serialized origins of the API itself on ``port``: a browser omits the scheme's default port
+    (80), and a client that names it anyway means the same origin."""
+    suffixes = (b":%d" % port, b"") if port == 80 else (b":%d" % port,)
+    return frozenset(b"http://" + host + suffix for host in LOOPBACK_HOSTS for suffix in suffixes)
 
 
 def cross_site_refusal(headers: Iterable[tuple[bytes, bytes]], port: int) -> str | None:
