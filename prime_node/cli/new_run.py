@@ -20,7 +20,13 @@ from typing import Annotated, Any
 import typer
 
 from prime_node.assets import copy_demo_model
-from prime_node.cli.options import JsonOption, NoPasswordOption, PasswordEnvOption, PasswordFileOption
+from prime_node.cli.options import (
+    JsonOption,
+    LightKdfOption,
+    NoPasswordOption,
+    PasswordEnvOption,
+    PasswordFileOption,
+)
 from prime_node.demo.setup import demo_run_config, toml_text
 from prime_node.errors import NodeError
 
@@ -197,9 +203,7 @@ def new_run(
     password_file: PasswordFileOption = None,
     password_env: PasswordEnvOption = None,
     no_password: NoPasswordOption = False,
-    light_kdf: Annotated[
-        bool, typer.Option("--light-kdf", help="Weak, fast scrypt (n=2^12) for tests and throwaway wallets.")
-    ] = False,
+    light_kdf: LightKdfOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Create a run directory to start from: a trainer wallet and a validator wallet, the demo's tiny

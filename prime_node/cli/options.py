@@ -27,3 +27,6 @@ PasswordEnvOption = Annotated[
 ]
 NoPasswordOption = Annotated[bool, typer.Option("--no-password", help="Use an empty password.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+LightKdfOption = Annotated[
+    bool, typer.Option("--light-kdf", help="Weak, fast scrypt (n=2^12) for tests and throwaway wallets.")
+]

@@ -11,6 +11,7 @@ import typer
 from prime_node.cli.options import (
     JsonOption,
     KeystoreOption,
+    LightKdfOption,
     NoPasswordOption,
     PasswordEnvOption,
     PasswordFileOption,
@@ -65,9 +66,7 @@ def new(
     password_file: PasswordFileOption = None,
     password_env: PasswordEnvOption = None,
     no_password: NoPasswordOption = False,
-    light_kdf: Annotated[
-        bool, typer.Option("--light-kdf", help="Weak, fast scrypt (n=2^12) for tests and throwaway wallets.")
-    ] = False,
+    light_kdf: LightKdfOption = False,
     as_json: JsonOption = False,
 ) -> None:
     """Create a new key and write it as an encrypted keystore (mode 0600). Never overwrites a file."""
