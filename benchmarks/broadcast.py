@@ -1008,7 +1008,7 @@ def main() -> None:
     began = time.monotonic()
 
     from crypto.keys import WalletKey
-    from prime_node.swarm.checkpoint import build_checkpoint
+    from prime_node.swarm.checkpoint_pieces import build_checkpoint
     from protocol.codec import encode
 
     work = choose_workdir(

@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from crypto.keys import Address, WalletKey  # noqa: E402
-from prime_node.dataplane.channel import accept_channel, open_channel  # noqa: E402
-from prime_node.swarm.checkpoint import build_checkpoint  # noqa: E402
+from prime_node.dataplane.connect import accept_channel, open_channel  # noqa: E402
+from prime_node.swarm.checkpoint_pieces import build_checkpoint  # noqa: E402
 from prime_node.swarm.piece_store import PieceStore  # noqa: E402
 from prime_node.swarm.transfer import CheckpointTransfer, OriginDirectory, PieceSource  # noqa: E402
 from prime_node.swarm.transport import DataPlane  # noqa: E402

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from crypto.keys import WalletKey  # noqa: E402
-from prime_node.dataplane.channel import AuthenticatedChannel, accept_channel, dial_channel, open_channel  # noqa: E402
+from prime_node.dataplane.channel import AuthenticatedChannel  # noqa: E402
+from prime_node.dataplane.connect import accept_channel, dial_channel, open_channel  # noqa: E402
 from prime_node.dataplane.libp2p_stream import P2PStream, RouteStats, fallback_protocol  # noqa: E402
 from prime_node.p2p.interface import FramedStream  # noqa: E402
 from prime_node.p2p.libp2p_host import open_libp2p_host  # noqa: E402

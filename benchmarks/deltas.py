@@ -22,7 +22,8 @@ the next encoded, applied and checked byte-identical:
   gradient: float32 master weights (the initial bf16 values, each moved by up to 2^-9 of itself: masters
   sit between bf16 values), each step moved by a uniform ±``--lr`` (Adam's update is about ±lr per weight)
   and published rounded to bf16. ``encode_s_per_gb`` and ``apply_s_per_gb`` are against copying the same
-  directory (``shutil.copytree``, page cache) in the same run (``copy_s_per_gb``).
+  directory (``shutil.copytree``, page cache) in the same process (``copy_s_per_gb``, ``*_vs_copy``); each
+  is the median of ``--repeats`` runs (the machine is shared), with the CPU seconds per GB beside it.
 
 Timings are on this machine's CPU, with ``torch`` at one thread; ``full_copy_s`` (copying the full published
 directory) is the baseline the apply time is compared with. Prints ONE JSON line.
@@ -32,10 +33,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -45,6 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+TIMED = ("encode", "apply", "copy", "encode_cpu", "apply_cpu")
 MAX_SHARE = 0.5  # the design's delta_max_share: above it the trainer publishes a full checkpoint
 POLICY_FILES = (  # prime_node/roles/trainer_service.py's POLICY_FILES (not imported: it pulls in the node)
     "config.json",
@@ -95,6 +99,7 @@ def _train(
     0..steps), the groups kept per step and the mean seconds per step (rollouts and training)."""
     from prime_node.ml.distributed import DistInfo
     from prime_node.ml.engine import TorchEngine
+    from prime_node.ml.fsdp import full_weights
     from prime_node.ml.model import load_model
     from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch, with_tied_head
     from prime_node.ml.tokenizer import load_tokenizer
@@ -113,14 +118,14 @@ def _train(
     kept: list[int] = []
 
     def publish(step: int) -> None:
-        weights = trainer.history.get(step)
+        weights = full_weights(trainer.model)  # the policy the trainer is at (``step``)
         for dtype in dtypes:
             published[dtype].append(_publish(model_dir, work / dtype / f"step_{step}", weights, dtype))
 
     publish(0)
     began = time.perf_counter()
     for step in range(steps):
-        engine.load_weights(with_tied_head(engine.model, trainer.history.get(step)), step)
+        engine.load_weights(with_tied_head(engine.model, full_weights(trainer.model)), step)
         batch = make_batch(
             engine, task, tokenizer, config, worker=LOCAL_WORKER, policy_step=step, batch_counter=step
         )
@@ -172,13 +177,15 @@ def _deltas(versions: list[Path], work: Path) -> dict[str, Any]:
     }
 
 
-def _throughput(work: Path, seed: int, lr: float, steps: int) -> dict[str, Any]:
+def _throughput(work: Path, seed: int, lr: float, steps: int, repeats: int, codec: str) -> dict[str, Any]:
     """Encode and apply speed at the 0.6b shape in bf16 (see the module doc), against a copy."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from prime_node.ml.architectures import write_model_dir
-    from prime_node.swarm.delta_codec import apply_delta, encode_delta
+
+    module = importlib.import_module(codec)
+    encode_delta, apply_delta = module.encode_delta, module.apply_delta
 
     model = write_model_dir("qwen3", "0.6b", seed, work / "model", vocab_size=4096, dtype="bfloat16")
     generator = torch.Generator().manual_seed(seed)
@@ -200,45 +207,70 @@ def _throughput(work: Path, seed: int, lr: float, steps: int) -> dict[str, Any]:
             master.add_((torch.rand(master.shape, generator=generator) * 2 - 1) * lr)
     del masters
     shutil.rmtree(model)
-    encode_s, apply_s, copy_s, ratios, changed = [], [], [], [], []
+    encode_s: list[float] = []
+    apply_s: list[float] = []
+    copy_s: list[float] = []
+    encode_cpu: list[float] = []
+    apply_cpu: list[float] = []
+    ratios: list[float] = []
+    changed: list[float] = []
     full_bytes = 0
     for index, (base, target) in enumerate(itertools.pairwise(versions)):
         delta, out, copy = work / f"delta_{index}", work / f"out_{index}", work / f"copy_{index}"
-        stats = encode_delta(base, target, delta)
-        began = time.perf_counter()
-        apply_delta(base, delta, out, max_output_bytes=stats.full_bytes)
-        apply_s.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        shutil.copytree(target, copy)
-        copy_s.append(time.perf_counter() - began)
-        for path in sorted(target.iterdir()):
-            if (out / path.name).read_bytes() != path.read_bytes():
-                raise SystemExit(f"0.6b delta {index}: {path.name} was not reconstructed byte-identical")
-        shutil.rmtree(out)
-        shutil.rmtree(copy)
-        delta.unlink()
-        encode_s.append(stats.seconds)
+        runs: dict[str, list[float]] = {name: [] for name in TIMED}
+        for _ in range(repeats):  # the machine is shared: each measurement repeated, the median kept
+            cpu = time.process_time()
+            stats = encode_delta(base, target, delta)
+            runs["encode"].append(stats.seconds)
+            runs["encode_cpu"].append(time.process_time() - cpu)
+            began, cpu = time.perf_counter(), time.process_time()
+            apply_delta(base, delta, out, max_output_bytes=stats.full_bytes)
+            runs["apply"].append(time.perf_counter() - began)
+            runs["apply_cpu"].append(time.process_time() - cpu)
+            began = time.perf_counter()
+            shutil.copytree(target, copy)
+            runs["copy"].append(time.perf_counter() - began)
+            for path in sorted(target.iterdir()):
+                if (out / path.name).read_bytes() != path.read_bytes():
+                    raise SystemExit(f"0.6b delta {index}: {path.name} was not reconstructed byte-identical")
+            shutil.rmtree(out)
+            shutil.rmtree(copy)
+            delta.unlink()
+        for name, found in (
+            ("encode", encode_s),
+            ("apply", apply_s),
+            ("copy", copy_s),
+            ("encode_cpu", encode_cpu),
+            ("apply_cpu", apply_cpu),
+        ):
+            found.append(statistics.median(runs[name]))
         ratios.append(stats.delta_bytes / stats.full_bytes)
         changed.append(stats.changed_values / stats.total_values)
         full_bytes = stats.full_bytes
     gb = full_bytes / 1e9
-    encode, apply, copy_mean = (sum(x) / len(x) for x in (encode_s, apply_s, copy_s))
+    encode, apply, copy_mean = (statistics.median(x) for x in (encode_s, apply_s, copy_s))
     return {
         "full_bytes": full_bytes,
         "lr": lr,
         "deltas": len(ratios),
+        "repeats": repeats,
         "ratio_mean": sum(ratios) / len(ratios),
+        "ratio_per_delta": [round(r, 5) for r in ratios],
         "changed_fraction": sum(changed) / len(changed),
         "encode_s_per_gb": encode / gb,
         "apply_s_per_gb": apply / gb,
         "copy_s_per_gb": copy_mean / gb,
         "encode_gb_per_s": gb / encode,
         "apply_gb_per_s": gb / apply,
+        "copy_gb_per_s": gb / copy_mean,
         "encode_vs_copy": encode / copy_mean,
         "apply_vs_copy": apply / copy_mean,
+        "encode_cpu_s_per_gb": statistics.median(encode_cpu) / gb,
+        "apply_cpu_s_per_gb": statistics.median(apply_cpu) / gb,
         "encode_s": [round(x, 3) for x in encode_s],
         "apply_s": [round(x, 3) for x in apply_s],
         "copy_s": [round(x, 3) for x in copy_s],
+        "cores": len(os.sched_getaffinity(0)),
         "load_average": os.getloadavg()[0],
     }
 
@@ -252,6 +284,12 @@ def main() -> None:
     parser.add_argument("--skip-small", action="store_true", help="skip the trained small-model run")
     parser.add_argument("--skip-throughput", action="store_true", help="skip the 0.6b encode/apply speed")
     parser.add_argument("--throughput-deltas", type=int, default=2, help="0.6b deltas timed")
+    parser.add_argument("--repeats", type=int, default=3, help="times each 0.6b measurement runs (median)")
+    parser.add_argument(
+        "--codec",
+        default="prime_node.swarm.delta_codec",
+        help="module with encode_delta/apply_delta timed at 0.6b (a saved older codec, to compare)",
+    )
     args = parser.parse_args()
     if args.lr > 1e-5:
         parser.error("--lr must be at most 1e-5 (the RL fine-tuning regime the bf16 goal is about)")
@@ -292,13 +330,19 @@ def main() -> None:
                 "demo": {**found, "lr": 5e-4, "groups_kept_per_step": kept, "train_s_per_step": step_s},
             }
         if not args.skip_throughput:
-            found = _throughput(work / "throughput", args.seed, args.lr, args.throughput_deltas)
+            found = _throughput(
+                work / "throughput", args.seed, args.lr, args.throughput_deltas, args.repeats, args.codec
+            )
             shutil.rmtree(work / "throughput")
             result |= {
                 "encode_gb_per_s_06b": found["encode_gb_per_s"],
                 "apply_gb_per_s_06b": found["apply_gb_per_s"],
                 "encode_vs_copy_06b": found["encode_vs_copy"],
                 "apply_vs_copy_06b": found["apply_vs_copy"],
+                "encode_s_per_gb_06b": found["encode_s_per_gb"],
+                "apply_s_per_gb_06b": found["apply_s_per_gb"],
+                "delta_ratio_06b": found["ratio_mean"],
+                "codec": args.codec,
                 "throughput_06b": found,
             }
         if args.skip_small:

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from crypto.keys import WalletKey  # noqa: E402
-from prime_node.dataplane.channel import open_channel, serve_channels  # noqa: E402
+from prime_node.dataplane.connect import open_channel, serve_channels  # noqa: E402
 from prime_node.p2p.interface import FramedStream  # noqa: E402
 from prime_node.p2p.libp2p_host import open_libp2p_host  # noqa: E402
 from protocol.codec import encode  # noqa: E402

@@ -1,5 +1,5 @@
 """Simulated membership at scale: the real overlay, record book and membership state machines
-(prime_node/simulation/membership.py) at N = 1,000 and 10,000.
+(prime_node/simulation/membership_sim.py) at N = 1,000 and 10,000.
 
 Prints one JSON line per scenario and size: ``formation`` (degrees, connectivity, rounds), ``convergence``
 (time until every live node holds a new peer's record, sent at once, and a refresh, riding the beats;
@@ -20,7 +20,7 @@ from typing import Any
 
 from crypto.identity import peer_id_from_public_key
 from crypto.keys import WalletKey
-from prime_node.simulation.membership import (
+from prime_node.simulation.membership_sim import (
     BEAT_S,
     MembershipScenario,
     MembershipSimulation,

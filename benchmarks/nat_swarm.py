@@ -1,5 +1,5 @@
 """The RL loop across NAT in network namespaces (needs root and iptables): trainer and validator public,
-one inferer in each of two homes behind MASQUERADE routers (prime_node/testing/nat_swarm.py).
+one inferer in each of two homes behind MASQUERADE routers (tests/p2p/nat_swarm.py).
 
 Prints ONE JSON line: ``relayed_share`` (data-plane bytes that went through a relay / all data-plane
 bytes received; goal <= 0.05), ``time_to_direct_s`` per home (its first relayed connection to a direct
@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prime_node.demo.orchestrator import child_env
-from prime_node.testing.nat_swarm import NatSwarm
 from prime_node.testing.netns_nat import NatLab
+from tests.p2p.nat_swarm import NatSwarm
 
 
 def main() -> None:

@@ -19,7 +19,19 @@ Prints ONE JSON line:
   node reports in its status (inferer: generate, prove, sign, publish; validator: gossip delivery,
   queue, policy wait, validate, verdict publish; trainer: rollout/verdict delivery, waiting for the
   verdict, admission, queue, train), means over seeds;
+- ``busy_share``: the trainer's time in ``train`` / its wall time from the start of the first step to the
+  last (the trainer's own ``busy_share``; issue 38's goal >= 0.8 in the confined run), median over seeds;
+- ``stale_share``: batches refused as ``stale`` or ``stale_in_queue`` / rollout batches produced by every
+  inferer (the adversary included), over all seeds (goal <= 0.05);
+- ``verdict_round_trip_s``: a batch's way from its inferer to the trainer's verdict in hand, seconds per
+  batch: the validator's stages (delivery, queue, policy wait, validate, verdict publish) plus the
+  trainer's verdict delivery, means over seeds (what the trainer would wait per batch without overlap);
 - ``swarm_wall_s``: the demo's whole wall time (start-up included).
+
+``--confined`` pins the swarm's processes to two cores: the trainer to the last one, every other demo
+process (validator, inferers, the adversary, and this script, which polls their status) to the first
+(``taskset``), so the ratio says what the protocol costs rather than what five processes sharing two cores
+cost. The local run is not pinned (it runs one trainer and one inference process, one thread each).
 """
 
 from __future__ import annotations
@@ -28,7 +40,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,45 +84,93 @@ def local_run(model_dir: Path, work: Path, steps: int, seed: int) -> dict[str, A
     }
 
 
-def swarm_run(model_dir: Path, work: Path, steps: int, seed: int, adversary: str) -> dict[str, Any]:
+def confined_commands(trainer_cpu: int, others_cpu: int) -> Any:
+    """The demo's node commands behind ``taskset -c``: the trainer on one core, every joiner on another."""
+    from prime_node.demo.orchestrator import NodeCommands
+    from prime_node.demo.setup import joiner_command, trainer_command
+
+    def trainer(plan: Any) -> list[str]:
+        return ["taskset", "-c", str(trainer_cpu), *trainer_command(plan)]
+
+    def joiner(plan: Any, node: Any, bootstrap: str) -> list[str]:
+        return ["taskset", "-c", str(others_cpu), *joiner_command(plan, node, bootstrap)]
+
+    return NodeCommands(trainer=trainer, joiner=joiner)
+
+
+def swarm_run(
+    model_dir: Path, work: Path, steps: int, seed: int, adversary: str, *, confined: bool = False
+) -> dict[str, Any]:
+    """``prime-node demo --json --no-tui`` (run in this process, so ``--confined`` can pin its children)."""
+    from prime_node.demo.orchestrator import DemoOptions, run_demo
+
     workdir = work / f"swarm-{seed}"
-    command = [
-        sys.executable,
-        "-m",
-        "prime_node",
-        "demo",
-        "--json",
-        "--no-tui",
-        "--steps",
-        str(steps),
-        "--seed",
-        str(seed),
-        "--model",
-        str(model_dir),
-        "--adversary",
-        adversary,
-        "--workdir",
-        str(workdir),
-    ]
+    commands = None
+    if confined:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--confined needs two cores")
+        commands = confined_commands(cpus[-1], cpus[0])
+        os.sched_setaffinity(0, {cpus[0]})  # this process polls status: it shares the joiners' core
+    options = DemoOptions(
+        adversary=None if adversary == "none" else adversary,
+        steps=steps,
+        tui=False,
+        workdir=workdir,
+        model_dir=model_dir,
+        timeout_s=1800.0,
+        seed=seed,
+    )
     began = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"demo failed ({done.returncode}): {done.stderr[-2000:]}")
-    summary = json.loads(done.stdout)
+    try:
+        summary = run_demo(options, say=lambda line: print(line, file=sys.stderr), commands=commands).summary
+    finally:
+        if confined:
+            os.sched_setaffinity(0, set(cpus))
     snapshots = json.loads((workdir / "status.json").read_text())
     trainer = snapshots["trainer"]["sections"]["training"]
     held = summary["held_out"]
+    refused = summary["batches_rejected"]
+    produced = sum(
+        int(node.get("rollouts", {}).get("produced", 0))
+        for node in summary["nodes"].values()
+        if node.get("role") in ("inferer", "adversary")
+    )
+    trips = round_trip(snapshots)
     return {
         "steps_per_s": trainer["steps_per_s"],
         "held_out": held,
         "gain": round(held[-1][1] - held[0][1], 4),
         "wall_s": round(time.perf_counter() - began, 1),
-        "stale": summary["batches_rejected"].get("stale", 0)
-        + summary["batches_rejected"].get("stale_in_queue", 0),
+        "stale": refused.get("stale", 0) + refused.get("stale_in_queue", 0),
+        "stale_in_queue": refused.get("stale_in_queue", 0),
+        "produced": produced,
+        "busy_share": trainer.get("busy_share", busy_share(trainer)),
         "batches_trained": trainer.get("batches_trained"),
         "adversary_accepted": summary.get("adversary_accepted"),
-        "round_trip_s": round_trip(snapshots),
+        "round_trip_s": trips,
+        "verdict_round_trip_s": round(sum(trips.get(stage, 0.0) for stage in VERDICT_TRIP), 4),
+        "demand": trainer.get("demand"),
     }
+
+
+VERDICT_TRIP = (
+    "validator.delivery",
+    "validator.queue",
+    "validator.policy_wait",
+    "validator.validate",
+    "validator.publish_verdict",
+    "trainer.verdict_delivery",
+)
+"""The stages between an inferer's publish and the trainer holding the verdict."""
+
+
+def busy_share(training: dict[str, Any]) -> float | None:
+    """train / (train + waiting + write + share) from a trainer status without its own ``busy_share``
+    (before issue 38; start-up included, so a slight underestimate)."""
+    times = training.get("time_s", {})
+    total = sum(float(times.get(k, 0.0)) for k in ("train_s", "waiting_s", "write_s", "share_s"))
+    return round(float(times.get("train_s", 0.0)) / total, 3) if total > 0 else None
 
 
 def round_trip(snapshots: dict[str, Any]) -> dict[str, float]:
@@ -132,11 +191,21 @@ def round_trip(snapshots: dict[str, Any]) -> dict[str, float]:
     return {stage: round(statistics.fmean(values), 4) for stage, values in found.items()}
 
 
+def _median(values: list[Any]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300, help="trainer steps (the demo's default)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--adversary", default="forged_proof")
+    parser.add_argument(
+        "--confined",
+        action="store_true",
+        help="pin the swarm's trainer to one core and every other demo process to another (taskset)",
+    )
     args = parser.parse_args()
 
     from prime_node.demo.orchestrator import make_model
@@ -151,7 +220,7 @@ def main() -> None:
     for seed in args.seeds:
         local.append(local_run(model_dir, work, args.steps, seed))
         print(f"seed {seed} local: {json.dumps(local[-1])}", file=sys.stderr)
-        swarm.append(swarm_run(model_dir, work, args.steps, seed, args.adversary))
+        swarm.append(swarm_run(model_dir, work, args.steps, seed, args.adversary, confined=args.confined))
         print(f"seed {seed} swarm: {json.dumps(swarm[-1])}", file=sys.stderr)
     local_rate = statistics.median(r["steps_per_s"] for r in local)
     swarm_rate = statistics.median(r["steps_per_s"] for r in swarm)
@@ -182,6 +251,14 @@ def main() -> None:
         },
         "round_trip_order": [f"{role}.{stage}" for role, (_, names) in STAGES.items() for stage in names],
         "swarm_stale_batches": [r["stale"] for r in swarm],
+        "swarm_produced_batches": [r["produced"] for r in swarm],
+        "stale_share": round(sum(r["stale"] for r in swarm) / max(1, sum(r["produced"] for r in swarm)), 4),
+        "stale_share_by_seed": [round(r["stale"] / max(1, r["produced"]), 4) for r in swarm],
+        "busy_share": _median([r["busy_share"] for r in swarm]),
+        "busy_share_by_seed": [r["busy_share"] for r in swarm],
+        "verdict_round_trip_s": round(statistics.fmean(r["verdict_round_trip_s"] for r in swarm), 4),
+        "confined": args.confined,
+        "demand_by_seed": [r["demand"] for r in swarm],
         "swarm_wall_s": [r["wall_s"] for r in swarm],
         "local_wall_s": [r["wall_s"] for r in local],
         "adversary": args.adversary,

@@ -18,7 +18,7 @@ from typing import Any
 
 from prime_node.simulation.baselines import one_tier, relay_tree
 from prime_node.simulation.links import MB
-from prime_node.simulation.swarm import SwarmScenario, SwarmSimulation
+from prime_node.simulation.swarm_sim import SwarmScenario, SwarmSimulation
 
 CHECKPOINT_BYTES = 16_000 * MB
 

@@ -120,7 +120,8 @@ def _announcement_attack(batches: int, rounds: int, cache: Path | None) -> dict[
     import trio
 
     from crypto.keys import WalletKey
-    from prime_node.dataplane.channel import AuthenticatedChannel, serve_channels
+    from prime_node.dataplane.channel import AuthenticatedChannel
+    from prime_node.dataplane.connect import serve_channels
     from prime_node.p2p.libp2p_host import open_libp2p_host
     from prime_node.testing.adversary import build_scenario
     from prime_node.verification.batch_transfer import BatchTransfer

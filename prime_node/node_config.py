@@ -91,6 +91,20 @@ class NodeConfig(BaseModel):
         "relay slot when this node finds it is not reachable.",
     )
 
+    keep_batches: int = Field(
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description="Keep the newest N signed rollout batches this node decodes, exactly as received, in "
+        "DATA_DIR/batches/ (with a sidecar naming the worker, the claimed policy and where it lives), for "
+        "`prime-node validate`; 0 = off.",
+    )
+    keep_batches_max_bytes: int = Field(
+        default=1 << 30,
+        ge=1,
+        description="Bytes the kept batches and their sidecars may take together; the oldest go first.",
+    )
+
     @field_validator("role")
     @classmethod
     def _role_is_a_pin(cls, role: RoleSetting) -> RoleSetting:
@@ -111,6 +125,10 @@ class NodeConfig(BaseModel):
         if self.dead_window <= self.unhealthy_window:
             raise ValueError("dead_after must be longer than unhealthy_after")
         return self
+
+    def keeping_batches(self, count: int) -> NodeConfig:
+        """This config with ``keep_batches`` set (checked like every field: ValueError if out of range)."""
+        return NodeConfig.model_validate({**self.model_dump(), "keep_batches": count})
 
     @property
     def unhealthy_window(self) -> float:

@@ -15,5 +15,7 @@ VERDICTS_TOPIC = "verdicts"
 """Validators' signed verdicts on rollout batches."""
 CHECKPOINTS_TOPIC = "checkpoints"
 """The trainer's checkpoint announcements (swarm/service.py)."""
+DEMAND_TOPIC = "demand"
+"""The trainer's signed demand: policy steps it accepts, batches it wants (roles/demand.py)."""
 
-ALL_TOPICS = (HEARTBEATS_TOPIC, RUN_TOPIC, ROLLOUTS_TOPIC, VERDICTS_TOPIC, CHECKPOINTS_TOPIC)
+ALL_TOPICS = (HEARTBEATS_TOPIC, RUN_TOPIC, ROLLOUTS_TOPIC, VERDICTS_TOPIC, CHECKPOINTS_TOPIC, DEMAND_TOPIC)

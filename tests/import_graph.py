@@ -1,8 +1,9 @@
 """The import graph of our packages, read from the source with ast, for tests/test_layering.py.
 
 Every import counts, at module level or inside a function, except those under ``if TYPE_CHECKING:``
-when we ask what a module executes. An edge goes to the most specific module of ours an import names
-(``from a import b`` is ``a.b`` when that is a module, else ``a``). Running a package's ``__init__``
+when we ask what a module executes; an ``if __name__ == "__main__":`` block counts as deferred. An edge
+goes to the most specific module of ours an import names (``from a import b`` is ``a.b`` when that is a
+module, else ``a``). Running a package's ``__init__``
 before its submodule is not an edge: a package that re-exports its submodules is not a cycle.
 """
 
@@ -34,6 +35,18 @@ def module_files(root: Path, tops: Iterable[str]) -> dict[str, Path]:
     return found
 
 
+def _is_main_guard(test: ast.expr) -> bool:
+    """``if __name__ == "__main__":``: runs when the module is a script, never when it is imported."""
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and len(test.comparators) == 1
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value == "__main__"
+    )
+
+
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
@@ -58,6 +71,9 @@ def imports_of(name: str, path: Path, ours: Mapping[str, Path]) -> list[Import]:
                     visit_statement(inner, deferred, True)
                 for inner in child.orelse:
                     visit_statement(inner, deferred, type_only)
+            elif isinstance(child, ast.If) and _is_main_guard(child.test):
+                for inner in child.body:  # a script's own run, like a function body
+                    visit_statement(inner, True, type_only)
             else:
                 visit_statement(child, deferred, type_only)
 
@@ -166,3 +182,39 @@ def executed_at_import(module: str, imports: Iterable[Import], files: Mapping[st
             else:
                 seen.add(imp.module.split(".")[0])
     return seen
+
+
+def layer_of(module: str) -> str:
+    """The unit docs/architecture.md's table lists: ``crypto``, ``protocol``, or a subpackage (or top-level
+    module) of prime_node without the ``prime_node.`` prefix (``prime_node/__init__`` is ``prime_node``)."""
+    parts = module.split(".")
+    return parts[0] if parts[0] != "prime_node" or len(parts) == 1 else parts[1]
+
+
+def layer_table(root: Path, tops: Iterable[str] = ("crypto", "protocol", "prime_node")) -> str:
+    """docs/architecture.md's dependency table, from the graph: each unit, its level (0 imports nothing of
+    ours; otherwise one above the highest unit it imports) and what it imports besides the three roots
+    every layer may use (crypto, protocol, errors). A unit in a cycle is marked, not levelled."""
+    files = module_files(root, tops)
+    graph = collapse(module_graph(all_imports(files)), layer_of)
+    in_cycle = {unit for component in cycles(graph) for unit in component}
+    levels: dict[str, int] = {}
+
+    def level(unit: str) -> int:
+        if unit not in levels:
+            levels[unit] = 0  # a cycle ends here instead of recursing forever
+            below = [level(target) for target in graph.get(unit, ()) if target not in in_cycle]
+            levels[unit] = 1 + max(below, default=-1)
+        return levels[unit]
+
+    common = {"crypto", "protocol", "errors"}
+    rows = ["| level | unit | imports (besides crypto, protocol, errors) |", "|---|---|---|"]
+    for unit in sorted({layer_of(m) for m in files}, key=lambda u: (level(u), u)):
+        shown = f"{level(unit)}" + (" (cycle)" if unit in in_cycle else "")
+        imports = ", ".join(f"`{t}`" for t in sorted(graph.get(unit, set()) - common)) or "nothing else"
+        rows.append(f"| {shown} | `{unit}` | {imports} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m tests.import_graph: the table docs/architecture.md shows
+    print(layer_table(Path(__file__).resolve().parent.parent))

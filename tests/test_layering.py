@@ -109,6 +109,50 @@ def test_production_code_does_not_import_the_test_kit() -> None:
     assert {k: v for k, v in violations.items() if v} == {}
 
 
+# The test kit sits on the core, not on the layers that assemble it: a helper that starts the CLI's node or
+# the demo's processes belongs next to the tests that use it (tests/p2p/nat_peer.py, tests/p2p/nat_swarm.py).
+TEST_KIT_MAY_NOT_IMPORT = ("prime_node.cli", "prime_node.demo", "prime_node.roles")
+
+
+def _test_kit_imports_from_above(root: Path) -> list[str]:
+    """Every import (at module level, in a function or under TYPE_CHECKING) of the test kit that names
+    a package above the core."""
+    files = graph.module_files(root, ("prime_node",))
+    return sorted(
+        {
+            f"{files[imp.importer].relative_to(root)}:{imp.line} {imp.module}"
+            for imp in graph.all_imports(files)
+            if _in_package(imp.importer, TEST_KIT)
+            and any(_in_package(imp.module, above) for above in TEST_KIT_MAY_NOT_IMPORT)
+        }
+    )
+
+
+def test_the_test_kit_depends_only_on_the_core() -> None:
+    assert _test_kit_imports_from_above(ROOT) == []
+
+
+def test_the_test_kit_checker_sees_imports_from_above(tmp_path: Path) -> None:
+    for package in ("", "testing", "cli", "demo", "roles"):
+        (tmp_path / "prime_node" / package).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "prime_node" / package / "__init__.py").write_text("")
+    for module in ("cli/main", "demo/setup", "roles/runner", "node"):
+        (tmp_path / "prime_node" / f"{module}.py").write_text("")
+    (tmp_path / "prime_node" / "testing" / "peer.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from prime_node.node import x\n"
+        "from prime_node.cli.main import app\n"
+        "if TYPE_CHECKING:\n    from ..demo import setup\n"
+        "def f():\n    import prime_node.roles.runner\n"
+    )
+    (tmp_path / "prime_node" / "cli" / "main.py").write_text("from prime_node.demo import setup\n")
+    assert _test_kit_imports_from_above(tmp_path) == [
+        "prime_node/testing/peer.py:3 prime_node.cli.main",
+        "prime_node/testing/peer.py:5 prime_node.demo.setup",
+        "prime_node/testing/peer.py:7 prime_node.roles.runner",
+    ]
+
+
 def test_nothing_the_wheel_ships_imports_a_dev_dependency() -> None:
     """The wheel installs without the ``dev`` extra: hypothesis strategies live in tests/strategies/."""
     dev_only = _dev_only_imports()
@@ -212,19 +256,45 @@ def _in_package(module: str, package: str) -> bool:
 
 
 def _cheap_deferred_imports(root: Path, tops: tuple[str, ...]) -> list[str]:
-    """Imports inside functions whose module is cheap: they belong at the top of the file."""
+    """Imports inside functions that load nothing heavy the module has not loaded already at its top:
+    they belong at the top of the file. Counted per module: a module that imports trio (or anything of
+    protocol/, which brings msgpack and coincurve) at its top gains nothing by deferring another module
+    for trio's sake."""
     files = graph.module_files(root, tops)
     imports = graph.all_imports(files)
+    executed: dict[str, set[str]] = {}
+
+    def loads(module: str) -> set[str]:
+        if module not in executed:
+            executed[module] = graph.executed_at_import(module, imports, files)
+        return executed[module]
+
+    top_level = {
+        (imp.importer, imp.module)
+        for imp in imports
+        if not imp.deferred and not imp.type_only and not imp.ours
+    }
     cheap: list[str] = []
     for imp in imports:
         if not imp.deferred or imp.type_only:
             continue
+        already = loads(imp.importer)
         if imp.ours:
-            heavy = bool(graph.executed_at_import(imp.module, imports, files) & HEAVY_LIBRARIES) or any(
-                _in_package(imp.module, p) and not _in_package(imp.importer, p) for p in HEAVY_PACKAGES
+            heavy = imp.module not in already and (
+                bool((loads(imp.module) - already) & HEAVY_LIBRARIES)
+                or any(
+                    _in_package(imp.module, p)
+                    and not _in_package(imp.importer, p)
+                    and not any(_in_package(m, p) for m in already)
+                    for p in HEAVY_PACKAGES
+                )
             )
         else:
-            heavy = imp.module.split(".")[0] in HEAVY_LIBRARIES
+            root_name = imp.module.split(".")[0]
+            loaded = (imp.importer, imp.module) in top_level or (
+                imp.module == root_name and root_name in already
+            )
+            heavy = root_name in HEAVY_LIBRARIES and not loaded
         if not heavy:
             cheap.append(f"{files[imp.importer].relative_to(root)}:{imp.line} {imp.module}")
     return sorted(set(cheap))
@@ -246,6 +316,48 @@ def test_imports_inside_functions_are_only_for_heavy_modules() -> None:
     assert _cheap_deferred_imports(ROOT, OURS) == []
 
 
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+TABLE_START, TABLE_END = "<!-- layer table: python -m tests.import_graph -->", "<!-- end of layer table -->"
+
+
+def test_the_architecture_page_shows_the_layers_as_they_are() -> None:
+    """docs/architecture.md's dependency table is the graph's: an import between subpackages that the page
+    does not show fails here (paste the output of ``python -m tests.import_graph`` between the markers)."""
+    text = ARCHITECTURE.read_text()
+    shown = text[text.index(TABLE_START) + len(TABLE_START) : text.index(TABLE_END)].strip()
+    assert shown == graph.layer_table(ROOT)
+
+
+def test_the_layer_table_levels_a_planted_graph(tmp_path: Path) -> None:
+    files = {
+        "crypto/__init__.py": "",
+        "crypto/keys.py": "",
+        "protocol/__init__.py": "from crypto import keys\n",
+        "prime_node/__init__.py": "",
+        "prime_node/errors.py": "",
+        "prime_node/low/__init__.py": "",
+        "prime_node/low/a.py": "from prime_node.errors import E\nfrom protocol import x\n",
+        "prime_node/high/__init__.py": "",
+        "prime_node/high/b.py": "def f():\n    from prime_node.low import a\n",
+        "prime_node/loop/__init__.py": "from prime_node.knot import k\n",
+        "prime_node/knot/__init__.py": "",
+        "prime_node/knot/k.py": "from prime_node.loop import y\n",
+    }
+    for relative, text in files.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    assert graph.layer_table(tmp_path).splitlines()[2:] == [
+        "| 0 | `crypto` | nothing else |",
+        "| 0 | `errors` | nothing else |",
+        "| 0 (cycle) | `knot` | `loop` |",
+        "| 0 (cycle) | `loop` | `knot` |",
+        "| 0 | `prime_node` | nothing else |",
+        "| 1 | `protocol` | nothing else |",
+        "| 2 | `low` | nothing else |",
+        "| 3 | `high` | `low` |",
+    ]
+
+
 def test_the_graph_checker_sees_planted_cycles_and_cheap_deferred_imports(tmp_path: Path) -> None:
     def write(relative: str, text: str) -> None:
         path = tmp_path / relative
@@ -260,6 +372,12 @@ def test_the_graph_checker_sees_planted_cycles_and_cheap_deferred_imports(tmp_pa
     write("pkg/b/__init__.py", "")
     write("pkg/b/four.py", "import torch\nFOUR = 4\ndef g():\n    import os\n    import torch\n")
     write("pkg/b/five.py", "def h():\n    from pkg.a.one import ONE\n    from pkg.a.three import x\n")
+    write("pkg/c/__init__.py", "")
+    write("pkg/c/six.py", "import trio\nSIX = 6\n")
+    write("pkg/c/seven.py", "import trio\ndef k():\n    from pkg.c.six import SIX\n    import trio\n")
+    write("pkg/c/eight.py", "def m():\n    from pkg.c.six import SIX\n")
+    # A script's own run (``if __name__ == "__main__":``) is not what importing the module loads.
+    write("pkg/c/nine.py", 'def n():\n    import torch\nif __name__ == "__main__":\n    import torch\n')
     files = graph.module_files(tmp_path, ("pkg",))
     modules = graph.module_graph(graph.all_imports(files))
     assert graph.cycles(modules) == [["pkg.a.one", "pkg.a.two"]]
@@ -268,4 +386,7 @@ def test_the_graph_checker_sees_planted_cycles_and_cheap_deferred_imports(tmp_pa
         "pkg/a/one.py:4 pkg.a.two",
         "pkg/b/five.py:2 pkg.a.one",
         "pkg/b/four.py:4 os",
+        "pkg/b/four.py:5 torch",
+        "pkg/c/seven.py:3 pkg.c.six",
+        "pkg/c/seven.py:4 trio",
     ]

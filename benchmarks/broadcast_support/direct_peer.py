@@ -36,7 +36,7 @@ from prime_node.swarm.transfer import CheckpointTransfer, OriginDirectory, Piece
 from prime_node.swarm.transport import DataPlane  # noqa: E402
 from protocol.codec import decode  # noqa: E402
 from protocol.manifest import Manifest  # noqa: E402
-from protocol.swarm.node import SwarmConfig  # noqa: E402
+from protocol.swarm.swarm_node import SwarmConfig  # noqa: E402
 
 TICK = 0.5
 

@@ -28,7 +28,7 @@ from crypto.keys import Address, WalletKey  # noqa: E402
 from prime_node.cli.network_options import network_config  # noqa: E402
 from prime_node.node.service import Node  # noqa: E402
 from prime_node.p2p.libp2p_host import open_libp2p_host  # noqa: E402
-from prime_node.swarm.service import SwarmService  # noqa: E402
+from prime_node.swarm.service import SwarmService, SwarmSettings  # noqa: E402
 
 DATA_PORT = 7400
 POLL = 0.05
@@ -52,10 +52,9 @@ async def run(args: argparse.Namespace) -> None:
         run_id="bench",
         trainer=trainer,
         store_dir=Path(args.data_dir) / "swarm",
-        dataplane_host=args.host,
-        dataplane_port=DATA_PORT,
-        follow=False,
-        upload=not args.no_upload,
+        settings=SwarmSettings(
+            dataplane_host=args.host, dataplane_port=DATA_PORT, follow=False, upload=not args.no_upload
+        ),
     )
     node = Node(config, key, lambda wallet: open_libp2p_host(wallet, config.listen), services=[swarm])
     stdin = trio.lowlevel.FdStream(os.dup(0))

@@ -71,7 +71,7 @@ def doctor(
     would take (with --run: the role join would take in that run, for its model); with --bootstrap also
     the bootstrap peers (latency), reachability (NAT), clock skew and bandwidth. One line per check, a fix
     under each problem; exit 1 if any check failed."""
-    from prime_node.doctor.run import DoctorOptions, run_doctor
+    from prime_node.doctor.checkup import DoctorOptions, run_doctor
 
     if not 1 <= probe_bytes <= MAX_PROBE_BYTES:
         raise NodeError(f"--probe-bytes must be between 1 and {MAX_PROBE_BYTES}", reason="bad_config")

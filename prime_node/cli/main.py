@@ -19,8 +19,8 @@ from prime_node.errors import NodeError
 # Each module defines ``register(app: typer.Typer) -> None``. Add one line per command module.
 COMMAND_MODULES = (
     "prime_node.cli.wallet",
-    "prime_node.cli.model",
-    "prime_node.cli.trainer",
+    "prime_node.cli.init_model",
+    "prime_node.cli.run_trainer",
     "prime_node.cli.node",
     "prime_node.cli.validate",
     "prime_node.cli.swarm",

@@ -15,9 +15,11 @@ from prime_node.cli.network_options import (
     JoinRunOption,
     NodeFlags,
     TrainerOption,
+    dataplane_host_for,
+    join_target,
     with_node_flags,
 )
-from prime_node.cli.options import JsonOption
+from prime_node.cli.options import JsonOption, KeepBatchesOption
 from prime_node.errors import NodeError
 
 
@@ -59,6 +61,7 @@ def join(
         ),
     ] = 0,
     trainer: TrainerOption = None,
+    keep_batches: KeepBatchesOption = 0,
     adversary: Annotated[
         str | None, typer.Option("--adversary", hidden=True, help="Demo/tests: cheat as this attack kind.")
     ] = None,
@@ -73,13 +76,12 @@ def join(
     announcement (--run RUN@0xTRAINER,BOOTSTRAP or --trainer), take a role (inferer, validator or seeder:
     from hardware and demand, or pinned with --role), fetch and re-serve checkpoints, and serve the status
     API. Without a pinned trainer it takes no role and lists the trainers that announce the run."""
-    from prime_node.cli.network_options import dataplane_host_for, join_target
 
     target = join_target(run, trainer)
     if target.bootstrap:
         node = dataclasses.replace(node, bootstrap=[*(node.bootstrap or ()), *target.bootstrap])
     directory = node.directory()
-    config = node.config(target.run_id, role=role, dead_after=dead_after)
+    config = node.config(target.run_id, role=role, dead_after=dead_after).keeping_batches(keep_batches)
     from prime_node.hardware import parse_gpu_selection
 
     gpus = parse_gpu_selection(gpu)
@@ -92,16 +94,16 @@ def join(
     key = node.key()
     from prime_node.node.runner import run_node_until_signal
     from prime_node.roles.runner import RoleRunner, RoleSettings
-    from prime_node.swarm.service import SwarmService
+    from prime_node.swarm.service import SwarmService, SwarmSettings
 
     swarm = SwarmService(
         key=key,
         run_id=config.run_id,
         trainer=pinned,
         store_dir=directory / "swarm",
-        dataplane_host=dataplane_host_for(config.listen),
-        dataplane_port=node.dataplane_port,
-        keep=3,
+        settings=SwarmSettings(
+            dataplane_host=dataplane_host_for(config.listen), dataplane_port=node.dataplane_port, keep=3
+        ),
     )
 
     runner = RoleRunner(
@@ -111,7 +113,13 @@ def join(
         data_dir=directory,
         gpus=gpus,
         settings=RoleSettings(
-            pinned=role, trainer=pinned, adversary=adversary, threads=threads, progress_json=as_json
+            pinned=role,
+            trainer=pinned,
+            adversary=adversary,
+            threads=threads,
+            progress_json=as_json,
+            keep_batches=config.keep_batches,
+            keep_batches_max_bytes=config.keep_batches_max_bytes,
         ),
         notify=_progress_sink(as_json),
     )

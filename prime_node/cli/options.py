@@ -30,3 +30,14 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object 
 LightKdfOption = Annotated[
     bool, typer.Option("--light-kdf", help="Weak, fast scrypt (n=2^12) for tests and throwaway wallets.")
 ]
+KeepBatchesOption = Annotated[
+    int,
+    typer.Option(
+        "--keep-batches",
+        min=0,
+        max=1_000_000,
+        metavar="N",
+        help="Keep the newest N signed rollout batches this node sees, as received, in DATA_DIR/batches/ "
+        "(check one with `prime-node validate DATA_DIR/batches/FILE`); 0 = off.",
+    ),
+]

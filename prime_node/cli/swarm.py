@@ -12,14 +12,15 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, with_node_flags
+from prime_node.cli.manifest_wait import ManifestWait
+from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, join_target, with_node_flags
 from prime_node.cli.options import JsonOption
+from prime_node.cli.seeding import SEED_IDLE, SWARM_SEED_LIMIT, parse_seed_until, seed_version
 from prime_node.errors import NodeError
 from prime_node.paths import PASSWORD_FILE_ENV
 
@@ -28,18 +29,10 @@ if TYPE_CHECKING:
     from prime_node.node.service import Node
     from prime_node.node_config import NodeConfig
     from prime_node.swarm.service import SwarmService
-    from protocol.envelope import Envelope
-    from protocol.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
 STORE_SUBDIR = "swarm"
-SWARM_SEED_LIMIT = 300.0
-"""``--seed-until swarm`` stops serving after this many seconds even if a peer still lacks pieces."""
-SEED_POLL = 0.25
-SEED_IDLE = 10.0
-"""``--seed-until swarm``: after this many seconds, a peer that has not asked us for a piece within the
-last SEED_IDLE s no longer counts as wanting one."""
 DataplaneHostOption = Annotated[
     str, typer.Option("--dataplane-host", help="Address the data plane listens on.")
 ]
@@ -51,8 +44,6 @@ SwarmRunOption = Annotated[
         "pins the trainer and adds the bootstrap peers) or a bare run id.",
     ),
 ]
-PROGRESS_MAX_S = 10.0
-"""``fetch`` says at least this often what it is doing while no peer has sent the manifest."""
 
 
 def register(app: typer.Typer) -> None:
@@ -80,8 +71,7 @@ def share(
 ) -> None:
     """Sign DIR as the run's checkpoint for --step with this node's key (the trainer's), announce it and
     seed it until SIGINT/SIGTERM. Prints the manifest id (with --json one JSON line)."""
-    from prime_node.cli.network_options import join_target
-    from prime_node.swarm.service import SwarmService
+    from prime_node.swarm.service import SwarmService, SwarmSettings
 
     target = join_target(run, None)
     node = _with_bootstrap(node, target.bootstrap)
@@ -98,9 +88,9 @@ def share(
         run_id=config.run_id,
         trainer=key.address,
         store_dir=config.data_dir / STORE_SUBDIR,
-        dataplane_host=dataplane_host,
-        dataplane_port=node.dataplane_port,
-        follow=False,
+        settings=SwarmSettings(
+            dataplane_host=dataplane_host, dataplane_port=node.dataplane_port, follow=False
+        ),
     )
 
     async def body(running: Node) -> None:
@@ -190,7 +180,7 @@ def fetch(
     with _KeyInBackground(node, ephemeral=ephemeral_key) as unlocking:
         # The keystore's scrypt (~1 CPU-s) releases the GIL: these imports (~0.4 s) run beside it.
         from prime_node.node.runner import run_node_until_signal  # noqa: F401  (libp2p, trio: timed)
-        from prime_node.swarm.service import SwarmService
+        from prime_node.swarm.service import SwarmService, SwarmSettings
 
         phases["imports"] = _process_age()
         key = unlocking.key()
@@ -200,10 +190,12 @@ def fetch(
         run_id=config.run_id,
         trainer=trainer_address,
         store_dir=config.data_dir / STORE_SUBDIR,
-        dataplane_host=dataplane_host,
-        dataplane_port=node.dataplane_port,
-        follow=False,
-        upload=not no_upload,
+        settings=SwarmSettings(
+            dataplane_host=dataplane_host,
+            dataplane_port=node.dataplane_port,
+            follow=False,
+            upload=not no_upload,
+        ),
     )
 
     async def body(running: Node) -> None:
@@ -214,7 +206,7 @@ def fetch(
 
         phases["node_up"] = _process_age()
         started = trio.current_time()
-        found = await _ManifestWait(swarm, running, mid, config.run_id).get(timeout)
+        found = await ManifestWait(swarm, running, mid, config.run_id).get(timeout)
         phases["manifest"] = _process_age()
         manifest = found[1]
         async with trio.open_nursery() as nursery:
@@ -297,7 +289,6 @@ def _fetch_target(
     """The manifest id, the trainer to insist on, the run id and the run address's bootstrap peers, from
     fetch's arguments (``--run`` as ``join_target`` reads it: a run address or a bare run id)."""
     from crypto.keys import Address
-    from prime_node.cli.network_options import join_target
 
     try:
         mid = bytes.fromhex(manifest_id)
@@ -324,141 +315,6 @@ def _with_bootstrap(node: NodeFlags, bootstrap: tuple[str, ...]) -> NodeFlags:
     if not bootstrap:
         return node
     return dataclasses.replace(node, bootstrap=[*(node.bootstrap or ()), *bootstrap])
-
-
-class _ManifestWait:
-    """What ``fetch`` says while no peer has sent the manifest: how long, how many peers of the run it
-    asked (over the whole wait), its data-plane neighbours and the run members it knows."""
-
-    def __init__(self, swarm: SwarmService, running: Node, mid: bytes, run_id: str) -> None:
-        self.swarm = swarm
-        self.running = running
-        self.mid = mid
-        self.run_id = run_id
-        self.asked: set[Address] = set()
-
-    def line(self, waited: float, *, final: bool = False) -> str:
-        pending = self.swarm.catalogue.pending.get(self.mid)
-        if pending is not None:
-            self.asked |= pending.asked
-        members = len(self.running.membership.members())
-        head = "gave up on" if final else "waiting for"
-        hint = "" if members else f" (no node of run {self.run_id!r} reached: check --run and --bootstrap)"
-        return (
-            f"{head} manifest {self.mid.hex()[:16]}… after {waited:.0f} s: asked {len(self.asked)} peer(s) "
-            f"of run {self.run_id!r}, none sent it; {len(self.swarm.dataplane.links)} data-plane "
-            f"neighbour(s), {members} run member(s) known{hint}"
-        )
-
-    async def get(self, timeout: float) -> tuple[Envelope, Manifest]:
-        """The manifest, with a progress line every so often; NodeError after ``timeout`` s, or at once
-        when it is signed by another key than the trainer (``wrong_signer``)."""
-        import trio
-
-        started = trio.current_time()
-        found = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.report, min(PROGRESS_MAX_S, max(1.0, timeout / 4)))
-            with trio.move_on_after(timeout):
-                found = await self.swarm.get_manifest(self.mid)
-            nursery.cancel_scope.cancel()
-        if found is None:
-            typer.echo(self.line(trio.current_time() - started, final=True), err=True)
-            raise NodeError(
-                f"no peer offered manifest {self.mid.hex()} within {timeout:g} s", reason="manifest_not_found"
-            )
-        return found
-
-    async def report(self, every: float) -> None:
-        import trio
-
-        started = trio.current_time()
-        while True:
-            await trio.sleep(every)
-            line = self.line(trio.current_time() - started)
-            log.info("%s", line)
-            typer.echo(line, err=True)
-
-
-# --- seeding after a fetch ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SeedPolicy:
-    """How long ``fetch`` keeps serving once its copy is written (``--seed-until``)."""
-
-    mode: str
-    """"done", "swarm", "never" or "duration"."""
-    seconds: float = 0.0
-    """"duration": how long; "swarm": the most it waits for the swarm."""
-
-
-def parse_seed_until(text: str) -> SeedPolicy:
-    """``done`` | ``never`` | ``swarm`` | ``swarm:DURATION`` | ``DURATION`` (``90``, ``90s``, ``5m``)."""
-    value = text.strip().lower()
-    if value in ("done", "never"):
-        return SeedPolicy(value)
-    if value == "swarm":
-        return SeedPolicy("swarm", SWARM_SEED_LIMIT)
-    if value.startswith("swarm:"):
-        return SeedPolicy("swarm", _duration(value[6:], text))
-    return SeedPolicy("duration", _duration(value, text))
-
-
-def _duration(value: str, text: str) -> float:
-    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(value[-1:], 1.0)
-    number = value[:-1] if value[-1:] in ("s", "m", "h") else value
-    try:
-        seconds = float(number) * scale
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds < float("inf"):
-        raise NodeError(
-            f"--seed-until: want done, swarm, swarm:DURATION, never or a duration (90s), not {text[:40]!r}",
-            reason="bad_option",
-        )
-    return seconds
-
-
-SeedEnd = Literal["done", "duration", "peers_hold_it", "peers_stopped_asking", "limit", "version_gone"]
-"""Why ``seed_version`` returned: the policy said so at once (``done``) or after its time (``duration``);
-every peer that lacked pieces now holds them; the ones still lacking have not asked for SEED_IDLE s; the
-"swarm" policy's time limit; the version was dropped from the store."""
-
-
-async def seed_version(swarm: SwarmService, mid: bytes, origin: Address, policy: SeedPolicy) -> SeedEnd:
-    """Keep the node (and so the upload of ``mid``) running as ``policy`` says, then say (and log) why it
-    stopped."""
-    ended = await _seed(swarm, mid, origin, policy)
-    log.info("stopped seeding %s: %s", mid.hex(), ended)
-    return ended
-
-
-async def _seed(swarm: SwarmService, mid: bytes, origin: Address, policy: SeedPolicy) -> SeedEnd:
-    import trio
-
-    if policy.mode == "done":
-        return "done"
-    if policy.mode == "never":
-        await trio.sleep_forever()
-    if policy.mode == "duration":
-        await trio.sleep(policy.seconds)
-        return "duration"
-    written = swarm.clock.now()
-    with trio.move_on_after(policy.seconds):
-        while True:
-            version = swarm.versions.get(mid)
-            if version is None:
-                return "version_gone"
-            now = swarm.clock.now()
-            # Wait for every peer that lacks pieces, but once we have served SEED_IDLE s, only for those
-            # still asking us (a peer that lacks pieces and never requests them does not hold us).
-            idle_rule = now - written >= SEED_IDLE
-            since = now - SEED_IDLE if idle_rule else None
-            if not [peer for peer in version.transfer.node.peers_wanting(since) if peer != origin]:
-                return "peers_stopped_asking" if idle_rule else "peers_hold_it"
-            await trio.sleep(SEED_POLL)
-    return "limit"
 
 
 async def _note_first_piece(swarm: SwarmService, mid: bytes, phases: dict[str, float]) -> None:

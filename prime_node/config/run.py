@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from prime_node.config.errors import describe_problems, env_origins
+from crypto.errors import CryptoError
+from crypto.keys import Address
+from prime_node.config.problems import describe_problems, env_origins
 from prime_node.errors import NodeError
 from protocol.envelope import Envelope
 from protocol.names import RUN_ID_PATTERN
@@ -238,8 +240,6 @@ class RunConfig(_Strict):
     @field_validator("trusted_validators")
     @classmethod
     def _checksummed(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        from crypto.errors import CryptoError
-        from crypto.keys import Address
 
         for text in value:
             try:
@@ -333,7 +333,7 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
 def validate_run_config(
     data: Mapping[str, Any], *, source: str, origins: Mapping[tuple[str | int, ...], str] | None = None
 ) -> RunConfig:
-    """The checked config; NodeError naming every problem at once (prime_node/config/errors.py)."""
+    """The checked config; NodeError naming every problem at once (prime_node/config/problems.py)."""
     try:
         return RunConfig.model_validate(dict(data))
     except ValidationError as exc:

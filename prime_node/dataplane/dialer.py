@@ -1,14 +1,15 @@
 """Opening a data-plane channel to a peer: its TCP port first, a libp2p stream when that fails.
 
-A dial tries the peer's advertised ``host:port`` (bounded by ``tcp_timeout``: a port behind NAT often
-drops packets rather than refusing). If the TCP connect fails or times out, or the address answers as
-someone else (``wrong_peer``: a private address that is another machine on our own network), the dial
-falls back to a libp2p stream of ``fallback_protocol(context)`` to the
-peer's libp2p ID, and runs the *same* handshake over it: the channel, its MACs, deadlines and memory
-budget do not care what carries them. ``RouteMemo`` remembers the failure, so the next dials go straight
-to the fallback until the pause ends. A handshake refused for another reason (the peer is full, a bad
-signature) is not a reachability problem and does not fall back. A libp2p stream that turns out to run
-over a relayed connection is not used unless ``relayed`` allows it (libp2p_stream.py says why).
+A dial tries the peer's advertised ``host:port`` (``dial_host``: the host of its first direct multiaddr;
+the port from its record), bounded by ``tcp_timeout``: a port behind NAT often drops packets rather than
+refusing. If the TCP connect fails or times out, or the address answers as someone else (``wrong_peer``:
+a private address that is another machine on our own network), the dial falls back to a libp2p stream of
+``fallback_protocol(context)`` to the peer's libp2p ID, and runs the *same* handshake over it: the
+channel, its MACs, deadlines and memory budget do not care what carries them. ``RouteMemo`` remembers
+the failure, so the next dials go straight to the fallback until the pause ends. A handshake refused for
+another reason (the peer is full, a bad signature) is not a reachability problem and does not fall back.
+A libp2p stream that turns out to run over a relayed connection is not used unless ``relayed`` allows it
+(libp2p_stream.py says why).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from prime_node.dataplane.channel import (
     HANDSHAKE_TIMEOUT,
     AuthenticatedChannel,
     ChannelError,
-    dial_channel,
 )
+from prime_node.dataplane.connect import dial_channel
 from prime_node.dataplane.libp2p_stream import P2PStream, RouteStats, fallback_protocol
 from prime_node.dataplane.route_memo import RouteMemo
 from prime_node.dataplane.streams import TCP, StreamTransport
@@ -60,6 +61,20 @@ class DialTarget:
         return self.host is not None and self.port > 0
 
 
+@dataclass(frozen=True)
+class ChannelSettings:
+    """How a ``ChannelDialer`` opens channels: the handshake context, the largest frame, the frame
+    deadlines, how long the handshake and a TCP dial may take, and whether a relayed libp2p connection
+    may carry the fallback."""
+
+    context: str = DEFAULT_CONTEXT
+    max_frame: int = DEFAULT_MAX_FRAME
+    deadlines: FrameDeadlines = DEFAULT_DEADLINES
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+    tcp_timeout: float = TCP_DIAL_TIMEOUT
+    relayed: bool = False
+
+
 class ChannelDialer:
     """See the module doc. ``p2p`` is set once the node's libp2p host is known (None: TCP only)."""
 
@@ -67,32 +82,28 @@ class ChannelDialer:
         self,
         wallet: WalletKey,
         *,
-        context: str = DEFAULT_CONTEXT,
-        transport: StreamTransport = TCP,
         budget: MemoryBudget,
-        max_frame: int = DEFAULT_MAX_FRAME,
-        deadlines: FrameDeadlines = DEFAULT_DEADLINES,
-        handshake_timeout: float = HANDSHAKE_TIMEOUT,
-        tcp_timeout: float = TCP_DIAL_TIMEOUT,
+        settings: ChannelSettings | None = None,
+        transport: StreamTransport = TCP,
         stats: RouteStats | None = None,
         memo: RouteMemo | None = None,
-        relayed: bool = False,
     ) -> None:
         self.wallet = wallet
-        self.context = context
-        self.protocol_id = fallback_protocol(context)
+        self.settings = settings = settings or ChannelSettings()
+        self.context = settings.context
+        self.protocol_id = fallback_protocol(settings.context)
         self.transport = transport
         self.budget = budget
-        self.max_frame = max_frame
-        self.deadlines = deadlines
-        self.handshake_timeout = handshake_timeout
-        self.tcp_timeout = tcp_timeout
+        self.max_frame = settings.max_frame
+        self.deadlines = settings.deadlines
+        self.handshake_timeout = settings.handshake_timeout
+        self.tcp_timeout = settings.tcp_timeout
         self.stats = stats or RouteStats()
         self.memo = memo or RouteMemo()
         self.relay_memo = RouteMemo()
         """Peers whose fallback stream ran over a relay (refused unless ``relayed``): not asked again
         before their pause ends, as hole punching may give them a direct connection meanwhile."""
-        self.relayed = relayed
+        self.relayed = settings.relayed
         self.p2p: P2PHost | None = None
 
     def can_fall_back(self, target: DialTarget) -> bool:
@@ -187,3 +198,17 @@ class ChannelDialer:
         self.stats.fallback_channels += 1
         self.relay_memo.succeeded(target.address)
         return channel
+
+
+def dial_host(multiaddrs: tuple[str, ...]) -> str | None:
+    """The first usable IPv4/IPv6/DNS host among a peer's direct multiaddrs (a relayed one names the
+    relay's host, where the peer's data plane is not)."""
+    for multiaddr in multiaddrs:
+        if "/p2p-circuit" in multiaddr:
+            continue
+        parts = multiaddr.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6"):
+            host = parts[2]
+            if host not in ("0.0.0.0", "::"):
+                return host
+    return None

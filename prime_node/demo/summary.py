@@ -148,6 +148,18 @@ def summarize(
         for name, entry in nodes.items()
         if entry["role"] in ("inferer", "adversary") and entry["address"]
     }
+    # Issue 38: how much of all inference went stale, and how busy the trainer was.
+    produced = sum(
+        int(entry.get("rollouts", {}).get("produced", 0))
+        for entry in nodes.values()
+        if entry["role"] in ("inferer", "adversary")
+    )
+    refused = summary["batches_rejected"]
+    stale = refused.get("stale", 0) + refused.get("stale_in_queue", 0)
+    summary["batches_produced"] = produced
+    summary["stale_share"] = round(stale / produced, 4) if produced else None
+    busy = training.get("busy_share")
+    summary["busy_share"] = busy if isinstance(busy, int | float) else None
     if wall_s is not None:
         summary["wall_s"] = round(wall_s, 1)
     summary["processes"] = list(processes)

@@ -9,6 +9,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from prime_node.demo.summary import training_progress
+from prime_node.status.swarm_view import render_swarm
 
 
 def headline(trainer: Mapping[str, Any] | None, steps: int, elapsed_s: float, adversary: str | None) -> Text:
@@ -43,7 +44,6 @@ def render(
     elapsed_s: float,
     adversary: str | None = None,
 ) -> RenderableType:
-    from prime_node.status.swarm_view import render_swarm
 
     trainer_name = next((name for name, role in roles.items() if role == "trainer"), "")
     top = headline(snapshots.get(trainer_name), steps, elapsed_s, adversary)

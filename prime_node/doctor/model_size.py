@@ -18,6 +18,7 @@ from typing import Final
 from prime_node.config.run import RunConfig, load_run_config
 from prime_node.doctor.run_model import RunModel
 from prime_node.errors import NodeError
+from prime_node.ml.vram_plan import ModelShape
 from prime_node.roles.choice import requirements_for_shape
 from prime_node.roles.runner import requirements_for
 from protocol.roles import RunRequirements
@@ -81,7 +82,6 @@ def estimate(model_dir: Path | None, run_config: Path | None) -> ModelEstimate:
 def from_run(model: RunModel) -> ModelEstimate:
     """From what ``--run`` learnt: the run's config and its newest checkpoint. NodeError when neither
     the run nor a checkpoint of it was found (``model.error``)."""
-    from prime_node.ml.vram_plan import ModelShape
 
     config = model.config
     if config is None or model.checkpoint_bytes is None:

@@ -11,6 +11,7 @@ from prime_node.config import RunConfig
 from prime_node.doctor.model_size import ModelEstimate
 from prime_node.doctor.report import FAIL, PASS, WARN, Check
 from prime_node.errors import NodeError
+from prime_node.hardware import role_threads
 from prime_node.roles.choice import decide_role
 from prime_node.roles.runner import RoleSettings, measured_profile
 from protocol.roles import SEEDER, HardwareProfile, RoleDecision, SwarmDemand
@@ -21,7 +22,6 @@ def join_profile(
 ) -> HardwareProfile:
     """The profile ``join --threads THREADS`` offers the policy (``RoleRunner.run``): cores capped by the
     role's threads and, with the run known and no role pinned, the CPU decode rate measured."""
-    from prime_node.hardware import role_threads
 
     threads = role_threads(threads)
     profile = dataclasses.replace(probed, cpu_cores=min(probed.cpu_cores, threads))

@@ -36,7 +36,8 @@ from crypto.keys import Address, WalletKey
 from prime_node.config import RunConfig
 from prime_node.config.run import validate_run_config
 from prime_node.dataplane.budget import MemoryBudget
-from prime_node.dataplane.channel import AuthenticatedChannel, dial_channel
+from prime_node.dataplane.channel import AuthenticatedChannel
+from prime_node.dataplane.connect import dial_channel
 from prime_node.dataplane.libp2p_stream import P2PStream, RouteStats, fallback_protocol
 from prime_node.errors import NodeError
 from prime_node.node.clock import NodeClock

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from prime_node.atomic_files import fsync_directory, fsync_path
@@ -88,7 +88,6 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, path: Path) -> None:
-    from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as handle:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from prime_node.errors import NodeError
-from prime_node.hardware import GpuSelection
+from prime_node.hardware import GpuSelection, probe, select_device
 
 if TYPE_CHECKING:
     from prime_node.config import RunConfig
@@ -73,7 +73,6 @@ class DistInfo:
 def init_from_env(gpus: GpuSelection | None = None) -> DistInfo:
     """This process's device (``select_device`` for rank LOCAL_RANK of ``gpus``, default auto) and the
     process group torchrun describes in the environment; a single process needs none."""
-    from prime_node.hardware import probe, select_device
 
     selection = gpus or GpuSelection("auto")
     local = int(os.environ.get("LOCAL_RANK", "0"))

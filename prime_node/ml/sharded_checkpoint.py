@@ -18,21 +18,17 @@ process group of its own; the trainer's next optimizer step waits for it (the se
 ``GRPOTrainer.before_update``), so the write overlaps the next forward and backward and never races the
 optimizer. ``state_save_due`` is the pure rule of when to save (``checkpoint_every``).
 
-DCP reads its ``.metadata`` with pickle and non-tensor items with ``torch.load(weights_only=False)``:
-here the metadata goes through an unpickler that resolves only DCP's own metadata classes, and nothing is
-stored as a non-tensor item (the optimizer's hyper-parameters live in ``complete.json``), so a tampered
-directory is refused with a NodeError instead of running code. With several machines, ROOT must be a
-file system every rank sees (rank 0 lists and renames what the others wrote).
+Loading (``load_sharded``, which refuses anything in a tampered directory that could run code) is
+sharded_load.py. With several machines, ROOT must be a file system every rank sees (rank 0 lists and
+renames what the others wrote).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import threading
@@ -41,17 +37,13 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from prime_node.atomic_files import fsync_directory, node_error_from_os, write_atomically
@@ -65,25 +57,6 @@ MARKER = "complete.json"
 _FINAL_DIR = re.compile(r"^sharded_(\d{8})$")
 _TEMP_DIR = re.compile(r"^\.sharded_(\d{8})\.(tmp|old)$")
 _MAX_WORLD_SIZE = 1 << 20
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-}
-"""What DCP's ``.metadata`` pickle may name (read off the files torch 2.13 writes), plus torch dtypes."""
 
 
 @dataclass(frozen=True)
@@ -110,25 +83,25 @@ def _temp_dir(root: Path, step: int, kind: str = "tmp") -> Path:
 # --- process group -----------------------------------------------------------------------------------
 
 
-def _distributed() -> bool:
+def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+    return dist.get_rank() if is_distributed() else 0
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if _distributed() else 1
+def current_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
 
 
 def _barrier() -> None:
-    if _distributed():
+    if is_distributed():
         dist.barrier()
 
 
 @contextlib.contextmanager
-def _alone_is_intended() -> Iterator[None]:
+def alone_is_intended() -> Iterator[None]:
     """DCP warns whenever one process without a process group saves or loads: that is world size 1 here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -137,7 +110,7 @@ def _alone_is_intended() -> Iterator[None]:
 
 def _rank0_outcome(error: NodeError | None, group: dist.ProcessGroup | None = None) -> None:
     """Every rank raises rank 0's NodeError (so no rank waits in a collective the others left)."""
-    if not _distributed():
+    if not is_distributed():
         if error is not None:
             raise error
         return
@@ -228,12 +201,12 @@ class _SaveJob:
                 error = node_error_from_os(exc, f"preparing checkpoint directory {temp}")
         _rank0_outcome(error, group)
         try:
-            with _alone_is_intended():
+            with alone_is_intended():
                 dcp_save(
                     self.state,
                     storage_writer=FileSystemWriter(str(temp), sync_files=True),
                     process_group=group,
-                    no_dist=not _distributed(),
+                    no_dist=not is_distributed(),
                 )
         except CheckpointException as exc:  # raised on every rank when any rank failed
             raise NodeError(
@@ -264,7 +237,7 @@ class AsyncShardedSaver:
 
     def __init__(self, root: Path, *, meta: dict[str, object], keep: int = 1) -> None:
         self.root, self.meta, self.keep = root, meta, keep
-        self._group = dist.new_group(backend="gloo") if _distributed() else None
+        self._group = dist.new_group(backend="gloo") if is_distributed() else None
         self._thread: threading.Thread | None = None
         self._job: _SaveJob | None = None
         self.last_seconds: float | None = None
@@ -357,7 +330,7 @@ def _publish(
     marker = {
         "format": FORMAT_VERSION,
         "step": step,
-        "world_size": _world_size(),
+        "world_size": current_world_size(),
         "meta": meta,
         "files": files,
         "optimizer_groups": groups,
@@ -469,113 +442,3 @@ def prune_sharded(root: Path, keep: int) -> None:
         if match is None or item in kept or int(match.group(1)) >= newest:
             continue
         shutil.rmtree(item, ignore_errors=True)
-
-
-# --- loading -----------------------------------------------------------------------------------------
-
-
-def load_sharded(ckpt: ShardedCheckpoint, model: Any, optimizer: torch.optim.Optimizer) -> dict[str, object]:
-    """Load ``ckpt`` into the live (possibly FSDP2-sharded) ``model`` and ``optimizer``; collective on every
-    rank. Works at a world size other than the one that wrote it (DCP reshards). Returns its ``meta``;
-    NodeError ``bad_checkpoint`` if the files do not fit the model or cannot be read."""
-    if ckpt.world_size != _world_size():
-        log.info("resharding %s from %d to %d ranks", ckpt.path, ckpt.world_size, _world_size())
-    optimizer.zero_grad(set_to_none=True)  # lets get_state_dict create the optimizer state to load into
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    live_groups: list[dict[str, Any]] = list(optimizer_state["param_groups"])  # type: ignore[arg-type]
-    if len(live_groups) != len(ckpt.optimizer_groups):
-        raise NodeError(
-            f"{ckpt.path}: {len(ckpt.optimizer_groups)} optimizer groups, not {len(live_groups)}",
-            reason="bad_checkpoint",
-        )
-    try:
-        with _alone_is_intended():
-            dcp_load(
-                {"model": model_state, "optimizer": optimizer_state["state"]},
-                storage_reader=_MetadataCheckingReader(str(ckpt.path)),
-                planner=_TensorsOnlyPlanner(),
-                no_dist=not _distributed(),
-            )
-        for live, saved in zip(live_groups, ckpt.optimizer_groups, strict=True):
-            live.update({k: _like(live.get(k), v) for k, v in saved.items()})
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=model_state,
-            optim_state_dict=optimizer_state,
-        )
-    except NodeError:
-        raise
-    except (
-        CheckpointException,
-        OSError,
-        RuntimeError,
-        ValueError,
-        KeyError,
-        TypeError,
-        AssertionError,
-    ) as exc:
-        raise NodeError(
-            f"cannot load sharded checkpoint {ckpt.path}: {exc}", reason="bad_checkpoint"
-        ) from exc
-    return dict(ckpt.meta)
-
-
-def _like(live: object, saved: object) -> object:
-    """A saved hyper-parameter in the live value's type (JSON turned AdamW's ``betas`` tuple into a list)."""
-    if isinstance(live, tuple) and isinstance(saved, list):
-        return tuple(saved)
-    return saved
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in _METADATA_CLASSES
-        if allowed or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which is not allowed")
-
-
-def _read_dcp_metadata(handle: IO[bytes]) -> Metadata:
-    try:
-        metadata = _RestrictedUnpickler(handle).load()
-    except Exception as exc:  # any malformed pickle: EOFError, UnpicklingError, TypeError, ...
-        raise ValueError(f"unreadable checkpoint metadata: {exc}") from exc
-    if not isinstance(metadata, Metadata):
-        raise ValueError(f"checkpoint metadata is a {type(metadata).__name__}, not DCP Metadata")
-    return metadata
-
-
-class _MetadataCheckingReader(FileSystemReader):
-    """DCP's file reader with its ``.metadata`` read by the restricted unpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        with open(Path(self.path) / name, "rb") as handle:
-            metadata = _read_dcp_metadata(handle)
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _TensorsOnlyPlanner(DefaultLoadPlanner):
-    """Refuses DCP's non-tensor items: loading one would be ``torch.load(weights_only=False)``."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        raise ValueError(f"checkpoint item {read_item.dest_index.fqn} is not a tensor")
-
-
-__all__ = [
-    "MARKER",
-    "AsyncShardedSaver",
-    "ShardedCheckpoint",
-    "list_sharded",
-    "load_sharded",
-    "newest_sharded",
-    "prune_sharded",
-    "save_sharded",
-    "sharded_dir",
-    "state_save_due",
-]

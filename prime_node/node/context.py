@@ -83,121 +83,46 @@ class NodeReports:
         return merged
 
 
+@dataclass(frozen=True)
 class NodeContext:
-    """A running node as its services see it (module doc). Built by ``Node.run``; read-only."""
+    """A running node as its services see it (module doc). Built by ``Node.run``; read-only (frozen).
+    ``host``: streams and the connected-peer list (a service opens streams; only the node dials and
+    bans); ``running``: whether the node still runs (``is_running``)."""
 
-    __slots__ = (
-        "_clock",
-        "_gossip",
-        "_host",
-        "_identity",
-        "_is_running",
-        "_key",
-        "_membership",
-        "_metrics",
-        "_policy",
-        "_reports",
-        "_run_id",
-    )
-
-    def __init__(
-        self,
-        *,
-        key: WalletKey,
-        identity: NodeIdentity,
-        run_id: str,
-        clock: NodeClock,
-        metrics: NodeMetrics,
-        policy: PeerPolicy,
-        membership: MembershipView,
-        gossip: Gossip,
-        host: P2PHost,
-        reports: NodeReports,
-        is_running: Callable[[], bool],
-    ) -> None:
-        self._key = key
-        self._identity = identity
-        self._run_id = run_id
-        self._clock = clock
-        self._metrics = metrics
-        self._policy = policy
-        self._membership = membership
-        self._gossip = gossip
-        self._host = host
-        self._reports = reports
-        self._is_running = is_running
-
-    @property
-    def key(self) -> WalletKey:
-        return self._key
-
-    @property
-    def identity(self) -> NodeIdentity:
-        return self._identity
-
-    @property
-    def run_id(self) -> str:
-        return self._run_id
-
-    @property
-    def clock(self) -> NodeClock:
-        return self._clock
-
-    @property
-    def metrics(self) -> NodeMetrics:
-        return self._metrics
-
-    @property
-    def policy(self) -> PeerPolicy:
-        return self._policy
-
-    @property
-    def membership(self) -> MembershipView:
-        return self._membership
-
-    @property
-    def gossip(self) -> Gossip:
-        return self._gossip
-
-    @property
-    def host(self) -> P2PHost:
-        """Streams and the connected-peer list (a service opens streams; only the node dials and bans)."""
-        return self._host
+    key: WalletKey
+    identity: NodeIdentity
+    run_id: str
+    clock: NodeClock
+    metrics: NodeMetrics
+    policy: PeerPolicy
+    membership: MembershipView
+    gossip: Gossip
+    host: P2PHost
+    reports: NodeReports
+    running: Callable[[], bool]
 
     @property
     def is_running(self) -> bool:
-        return self._is_running()
+        return self.running()
 
     def peers_in(self, state: PeerState) -> list[str]:
-        return self._membership.in_state(state)
+        return self.membership.in_state(state)
 
     # -- reporting -------------------------------------------------------------------------------------
 
     def add_status_section(self, name: str, section: StatusSection) -> None:
         """Show ``section()`` (JSON-ready) under ``name`` in ``prime-node status``."""
-        self._reports.status_sections[name] = section
+        self.reports.status_sections[name] = section
 
     def add_record_source(self, source: RecordSource) -> None:
         """Read ``source()`` into every peer record this node sends (later sources win a field)."""
-        self._reports.record_sources.append(source)
+        self.reports.record_sources.append(source)
 
     @contextmanager
     def scoped(self) -> Iterator[NodeContext]:
         """A context whose gossip subscriptions are removed when the ``with`` block ends."""
-        scope = GossipScope(self._gossip)
+        scope = GossipScope(self.gossip)
         try:
-            yield NodeContext(
-                key=self._key,
-                identity=self._identity,
-                run_id=self._run_id,
-                clock=self._clock,
-                metrics=self._metrics,
-                policy=self._policy,
-                membership=self._membership,
-                gossip=scope,
-                host=self._host,
-                reports=self._reports,
-                is_running=self._is_running,
-            )
+            yield dataclasses.replace(self, gossip=scope)
         finally:
             scope.close()

@@ -45,6 +45,7 @@ from protocol.gossip_sequence import (
     RequestMissing,
     SequenceTracker,
 )
+from protocol.peer_record import check_sender
 from protocol.scoring import Admission, Offence
 
 log = logging.getLogger(__name__)
@@ -325,6 +326,5 @@ def offence_for(error: ProtocolError) -> Offence | None:
 
 
 def _check_signer(envelope: Envelope, sender_peer_id: str) -> None:
-    from protocol.peer_record import check_sender
 
     check_sender(envelope, sender_peer_id)

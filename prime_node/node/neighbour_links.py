@@ -1,4 +1,6 @@
-"""Direct links to a bounded set of neighbours: heartbeats, and the peer records that ride on them.
+"""Direct links to a bounded set of neighbours: heartbeats, and the peer records that ride on them. One
+file because one stream per link carries both, read and written by the same per-link loops, and a record's
+checks charge the neighbour that passed it on through that link.
 
 DESIGN §4: a node beats to D neighbours (protocol/overlay.py), not to everyone, and learns the rest of
 the swarm from signed peer records passed from neighbour to neighbour (protocol/record_book.py). One

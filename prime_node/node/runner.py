@@ -17,10 +17,12 @@ import trio
 
 from crypto.keys import WalletKey
 from prime_node.errors import first_node_error
+from prime_node.hardware import GpuSelection, probe, to_summary
 from prime_node.node.probe_service import ProbeService
 from prime_node.node.reachability_service import ReachabilityService
 from prime_node.node.service import Node, NodeService
 from prime_node.node_config import NodeConfig
+from prime_node.p2p.libp2p_host import open_libp2p_host
 from protocol.connection_admission import ConnectionLimits
 from protocol.peer_record import HardwareSummary
 
@@ -45,7 +47,6 @@ def local_hardware() -> HardwareSummary:
     """The heartbeat's hardware summary: the probe of all visible GPUs (count, total VRAM), cores, RAM.
 
     Probed here, by the process that runs the node, so a Node built in a test does no probing."""
-    from prime_node.hardware import GpuSelection, probe, to_summary
 
     return to_summary(probe(GpuSelection("auto")))
 
@@ -66,7 +67,6 @@ def run_node_until_signal(
     (what others bootstrap from). ``body`` then runs beside the node (a command's own work: share, fetch,
     report the trainer's evaluations); with ``stop_when_body_returns`` the node stops when it is done.
     """
-    from prime_node.p2p.libp2p_host import open_libp2p_host
 
     def open_host(wallet: WalletKey):  # type: ignore[no-untyped-def]
         return open_libp2p_host(

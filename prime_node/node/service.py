@@ -1,4 +1,6 @@
 """The node: one trio nursery running the host, heartbeats, membership, discovery and the status API.
+One file because the Node's loops (heartbeats, membership, discovery, bootstrap) share its host,
+membership and record, and the I/O-free rules they apply already live in protocol/.
 
 Services get a read-only ``NodeContext`` (prime_node/node/context.py), never the Node: they report what
 they hold (status sections, parts of the peer record) and the node reads the reports. The hardware
@@ -6,8 +8,6 @@ summary is the caller's to probe (``prime_node.node.runner.local_hardware``); th
 ``Node.run`` is started with ``nursery.start``; it reports ready once the host listens, its own peer
 record is signed and node.json is written, and it stops when its nursery is cancelled (SIGINT/SIGTERM
 in the CLI), marking node.json stopped on the way out.
-One module over 400 lines on purpose: the Node's loops (heartbeats, membership, discovery, bootstrap)
-share its host, membership and record, and the I/O-free rules they apply already live in protocol/.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ class Node:
                     gossip=self._gossip,
                     host=host,
                     reports=self.reports,
-                    is_running=lambda: self.is_running,
+                    running=lambda: self.is_running,
                 )
                 for service in self.services:
                     await nursery.start(service.run, context)
@@ -266,8 +266,7 @@ class Node:
         finally:
             self._host = None
             if self.write_node_file:
-                with trio.CancelScope(shield=True):
-                    self._write_node_file("stopped")
+                self._write_node_file("stopped")  # synchronous: a cancellation cannot interrupt it
 
     async def _heartbeat_loop(self) -> None:
         """Each interval: re-sign our record if it changed or is due, and keep D neighbours (the links

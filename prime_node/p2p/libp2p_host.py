@@ -1,4 +1,7 @@
-"""The one place py-libp2p is used: a ``P2PHost`` over TCP + Noise + yamux, Kademlia and gossipsub.
+"""py-libp2p behind our ``P2PHost`` interface: a running host over TCP + Noise + yamux, Kademlia, gossipsub.
+
+The adapter's other parts: ``libp2p_build.py`` builds the host, ``libp2p_streams.py`` wraps its streams,
+``libp2p_exits.py`` turns its failures into our errors, ``host_nat.py`` does reachability and relay slots.
 
 Choices forced by what py-libp2p 0.8.1 does (DESIGN §11):
 - Noise is the *only* security transport: the default host also accepts plaintext.
@@ -15,88 +18,47 @@ Choices forced by what py-libp2p 0.8.1 does (DESIGN §11):
   ``inbound_gate.py`` replaces both, ``provider_guard.py`` bounds DHT provider records per IP group.
 - Its swarm skips ``/p2p-circuit`` addresses, so relayed dials, reservations and hole punching go through
   ``nat_relay.py``; reachability is our own dial-back probe (``nat_dialback.py``, docs/nat.md).
-
-One module over 400 lines on purpose: it is the whole adapter to py-libp2p, so everything that knows the
-library's quirks (bind errors, stream ends, gossipsub and Kademlia set-up) stays behind one interface.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
-import os
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import trio
+import trio.lowlevel
 
 from crypto.identity import public_key_from_peer_id
 from crypto.keys import WalletKey
-from prime_node.errors import NodeError, first_node_error
+from prime_node.errors import NodeError
 from prime_node.p2p.dht_interop import answer_with_own_addresses, offered, push_identify
-from prime_node.p2p.inbound_gate import InboundGate, KnownPeers, relax_dial_backoff
+from prime_node.p2p.host_nat import HostNat
 from prime_node.p2p.interface import FramedStream, GossipHandler, GossipMessage, PeerAddresses, StreamHandler
+from prime_node.p2p.libp2p_build import (
+    HostParts,
+    build_host,
+    quiet_libp2p_logs,
+    refuse_a_port_in_use,
+    why_bind_fails,
+)
+from prime_node.p2p.libp2p_exits import dial_cause, failures_into, first_leaf, raise_on_exit, short
+from prime_node.p2p.libp2p_streams import Libp2pByteStream, connection_closing
 from prime_node.p2p.local_addresses import interface_ipv4s, without_wildcards
 from prime_node.p2p.nat import DIALBACK_PROTOCOL, NatCounters, Reachability
-from prime_node.p2p.nat_dialback import DIAL_TIMEOUT as DIALBACK_DIAL_TIMEOUT
-from prime_node.p2p.nat_dialback import request_dialback, serve_dialback
-from prime_node.p2p.nat_relay import (
-    RelayParts,
-    build_relay_parts,
-    connection_kinds,
-    dial_relayed,
-    fresh_dial_check,
-    has_direct_connection,
-    is_relayed,
-    relay_clients,
-    relay_refusals,
-    relayed_addrs,
-    reserve,
-)
-from prime_node.p2p.port_check import ensure_port_free
-from prime_node.p2p.provider_guard import ProviderGuard
+from prime_node.p2p.nat_relay import RelayParts, dial_relayed, has_direct_connection, relayed_addrs
 from prime_node.p2p.provider_lookup import find_providers as find_run_providers
-from prime_node.p2p.yamux_tuning import credit_per_half_window, tune_yamux, whole_writes
 from protocol.connection_admission import ConnectionLimits
 from protocol.dht_key import provider_key
-from protocol.reachability import DialbackLimiter, verdict
 from protocol.relay_reservations import ReservationLimits
 
 log = logging.getLogger(__name__)
-GOSSIPSUB_PROTOCOL = "/meshsub/1.1.0"
 DIAL_TIMEOUT = 10.0
 DIRECT_BEFORE_RELAY_TIMEOUT = 3.0
 """How long a direct dial may take when the peer also has relayed addresses (a NAT'd peer's private
 addresses often fail only after retries; its relay then still answers within a caller's deadline)."""
-NEVER_TRIM = 10.0**9
-GOSSIP_PRUNE_BACKOFF = 10
-# A GRAFT this soon after a PRUNE is a flood. py-libp2p's default equals the backoff it announces in that
-# PRUNE, but the pruned peer rounds the backoff down to whole seconds and grafts again up to 1 s early, so
-# honest peers were "flooding" each other: each GRAFT refused, penalised and answered with a PRUNE that
-# restarted the cycle (~2.5 GRAFT/PRUNE per second per node in an idle 16-node swarm).
-GOSSIP_GRAFT_FLOOD_THRESHOLD = GOSSIP_PRUNE_BACKOFF - 2.0
-"""Gossipsub heartbeat once every mesh is settled: its lazy IHAVE gossip, not publishing, waits on it."""
 PROVIDER_LOOKUP_COUNT = 40  # ask for twice a store's worth, so a crowd of one group does not fill the answer
-
-
-def quiet_libp2p_logs() -> None:
-    """py-libp2p logs routine peer churn at ERROR; keep it out of the user's terminal.
-
-    Call after importing libp2p: its import configures the ``libp2p`` logger (no propagation, no
-    handler, so Python's last-resort handler would print bare lines to stderr).
-    """
-    import libp2p  # noqa: F401  (its import resets the logger we adjust here)
-
-    if not logging.getLogger("prime_node").isEnabledFor(logging.DEBUG):
-        for name in ("libp2p", "multiaddr"):
-            logger = logging.getLogger(name)
-            logger.setLevel(logging.CRITICAL)
-            if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
-                logger.addHandler(logging.NullHandler())
 
 
 def parse_multiaddr(text: str, *, need_peer_id: bool) -> Any:
@@ -123,91 +85,10 @@ def parse_multiaddr(text: str, *, need_peer_id: bool) -> Any:
     return parsed
 
 
-class _Libp2pByteStream:
-    def __init__(self, stream: Any, network: Any) -> None:
-        self._stream = stream
-        self._network = network
-        self.remote_peer_id = str(stream.muxed_conn.peer_id)
-        self.relayed = _is_relayed(stream)
-
-    def stranded(self) -> bool:
-        """Its yamux connection closed or is no longer one of the swarm's connections to the peer. Seen in
-        py-libp2p 0.8.1: when two peers dial each other at once one connection is dropped, and a stream
-        on it neither delivers nor fails."""
-        try:
-            connection = self._stream.muxed_conn
-            if connection.is_closed:
-                return True
-            live = self._network.get_connections(connection.peer_id)
-            return all(getattr(c, "muxed_conn", None) is not connection for c in live)
-        except Exception:
-            log.debug("could not tell whether a stream is stranded", exc_info=True)
-            return False
-
-    async def read(self, max_bytes: int) -> bytes:
-        try:
-            return bytes(await self._stream.read(max_bytes))
-        except Exception as exc:
-            if _is_end_of_stream(exc):
-                return b""
-            raise NodeError(f"stream read failed: {type(exc).__name__}", reason="stream_closed") from exc
-
-    async def write(self, data: bytes) -> None:
-        try:
-            await self._stream.write(data)
-        except Exception as exc:
-            raise NodeError(f"stream write failed: {type(exc).__name__}", reason="stream_closed") from exc
-
-    async def close(self) -> None:
-        try:
-            await self._stream.close()
-        except Exception:
-            log.debug("closing a stream failed", exc_info=True)
-
-    async def reset(self) -> None:
-        try:
-            await self._stream.reset()
-        except Exception:
-            log.debug("resetting a stream failed", exc_info=True)
-
-
-def _closing(connection: Any) -> bool:
-    """Whether a swarm connection is closed or closing (its own flag, or its muxer's)."""
-    try:
-        muxer = connection.muxed_conn
-        shutting_down = getattr(muxer, "event_shutting_down", None)
-        return bool(
-            connection.is_closed or muxer.is_closed or (shutting_down is not None and shutting_down.is_set())
-        )
-    except Exception:
-        return False
-
-
-def _is_relayed(stream: Any) -> bool:
-    """Whether a stream's connection goes through a circuit relay (py-libp2p marks the raw connection
-    ``ConnectionType.RELAYED``; yamux and Noise pass the question down to it)."""
-    try:
-        from libp2p.connection_types import ConnectionType
-
-        return bool(stream.muxed_conn.get_connection_type() == ConnectionType.RELAYED)
-    except Exception:
-        return False
-
-
-def _is_end_of_stream(exc: Exception) -> bool:
-    return type(exc).__name__ in {
-        "StreamEOF",
-        "StreamClosed",
-        "StreamReset",
-        "MuxedStreamEOF",
-        "MuxedStreamReset",
-    }
-
-
 class Libp2pHost:
     """A running libp2p host (see the module doc). Create with ``open_libp2p_host``."""
 
-    def __init__(self, parts: _HostParts, nursery: trio.Nursery) -> None:
+    def __init__(self, parts: HostParts, nursery: trio.Nursery) -> None:
         self._host = parts.host
         self._pubsub = parts.pubsub
         self._dht = parts.dht
@@ -217,11 +98,11 @@ class Libp2pHost:
         self._relay: RelayParts = parts.relay
         self._nursery = nursery
         self._peer_id = str(parts.host.get_id())
-        self._dialback_limiter = DialbackLimiter()
+        self.nat = HostNat(parts.host, parts.relay, nursery, self.open_stream)
         self._identify_push_due = False
         from libp2p.custom_types import TProtocol
 
-        self._host.set_stream_handler(TProtocol(DIALBACK_PROTOCOL), self._on_dialback)
+        self._host.set_stream_handler(TProtocol(DIALBACK_PROTOCOL), self.nat.on_dialback)
         answer_with_own_addresses(self._dht, self._dialable_addrs)
 
     @property
@@ -308,7 +189,7 @@ class Libp2pHost:
         except trio.TooSlowError as exc:
             raise NodeError(f"relayed dial {parsed} timed out", reason="dial_failed") from exc
         except Exception as exc:
-            raise NodeError(f"relayed dial {parsed} failed: {_short(exc)}", reason="dial_failed") from exc
+            raise NodeError(f"relayed dial {parsed} failed: {short(exc)}", reason="dial_failed") from exc
 
     async def _dial(self, info: Any, timeout: float = DIAL_TIMEOUT) -> None:
         if str(info.peer_id) == self._peer_id:
@@ -325,7 +206,7 @@ class Libp2pHost:
         except trio.TooSlowError as exc:
             raise NodeError(f"dialing {info.peer_id} timed out", reason="dial_failed") from exc
         except Exception as exc:
-            raise NodeError(f"cannot reach {info.peer_id}: {_dial_cause(exc)}", reason="dial_failed") from exc
+            raise NodeError(f"cannot reach {info.peer_id}: {dial_cause(exc)}", reason="dial_failed") from exc
         finally:
             network.unblock_peer(info.peer_id)
         try:
@@ -344,7 +225,9 @@ class Libp2pHost:
     def connected_peers(self) -> list[str]:
         """Peers with a connection that is not closing (see ``_forget_closed_connections``)."""
         connections = self._host.get_network().connections
-        return sorted(str(p) for p, conns in list(connections.items()) if any(not _closing(c) for c in conns))
+        return sorted(
+            str(p) for p, conns in list(connections.items()) if any(not connection_closing(c) for c in conns)
+        )
 
     def _forget_closed_connections(self, peer_id: Any) -> None:
         """Drop the swarm's closing (or closed) connections to ``peer_id`` from its records.
@@ -357,7 +240,7 @@ class Libp2pHost:
         close goes on regardless; removing a connection twice is harmless."""
         network = self._host.get_network()
         for connection in list(network.get_connections(peer_id)):
-            if _closing(connection):
+            if connection_closing(connection):
                 network.remove_conn(connection)
 
     def directly_connected(self, peer_id: str) -> bool:
@@ -371,7 +254,7 @@ class Libp2pHost:
         from libp2p.custom_types import TProtocol
 
         async def on_stream(stream: Any) -> None:
-            framed = FramedStream(_Libp2pByteStream(stream, self._host.get_network()))
+            framed = FramedStream(Libp2pByteStream(stream, self._host.get_network()))
             try:
                 await handler(framed)
             except NodeError as exc:
@@ -388,7 +271,7 @@ class Libp2pHost:
                 log.debug("no identify push: the host is stopping")
 
     async def _push_identify(self) -> None:
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         self._identify_push_due = False
         await push_identify(self._host)
 
@@ -405,9 +288,9 @@ class Libp2pHost:
             raise NodeError(f"opening {protocol_id} to {peer_id} timed out", reason="stream_failed") from exc
         except Exception as exc:
             raise NodeError(
-                f"cannot open {protocol_id} to {peer_id}: {_short(exc)}", reason="stream_failed"
+                f"cannot open {protocol_id} to {peer_id}: {short(exc)}", reason="stream_failed"
             ) from exc
-        return FramedStream(_Libp2pByteStream(stream, self._host.get_network()))
+        return FramedStream(Libp2pByteStream(stream, self._host.get_network()))
 
     async def subscribe(self, topic: str, handler: GossipHandler) -> None:
         subscription = await self._pubsub.subscribe(topic)
@@ -431,20 +314,20 @@ class Libp2pHost:
         try:
             await self._pubsub.publish(topic, data)
         except Exception as exc:
-            raise NodeError(f"publishing on {topic} failed: {_short(exc)}", reason="publish_failed") from exc
+            raise NodeError(f"publishing on {topic} failed: {short(exc)}", reason="publish_failed") from exc
 
     async def provide(self, key: str) -> None:
         """Provide ``key`` (a name) under its sha2-256 multihash (protocol/dht_key.py)."""
         try:
             await self._dht.provider_store.provide(provider_key(key))
         except Exception as exc:
-            raise NodeError(f"DHT provide failed: {_short(exc)}", reason="dht_failed") from exc
+            raise NodeError(f"DHT provide failed: {short(exc)}", reason="dht_failed") from exc
 
     async def find_providers(self, key: str) -> list[PeerAddresses]:
         try:
             found = await find_run_providers(self._dht, provider_key(key), want=PROVIDER_LOOKUP_COUNT)
         except Exception as exc:
-            raise NodeError(f"DHT lookup failed: {_short(exc)}", reason="dht_failed") from exc
+            raise NodeError(f"DHT lookup failed: {short(exc)}", reason="dht_failed") from exc
         out = []
         for info in self.provider_guard.select(list(found)):
             peer_id = str(info.peer_id)
@@ -457,118 +340,16 @@ class Libp2pHost:
 
     # -- NAT: reachability, relays, hole punching (docs/nat.md) -----------------------------------------
 
-    def _listen_ports(self) -> list[int]:
-        ports = []
-        for addr in self._host.get_transport_addrs():
-            try:
-                ports.append(int(addr.value_for_protocol("tcp")))
-            except Exception:
-                continue
-        return sorted(set(ports))
-
-    def _observed_addrs(self) -> list[str]:
-        manager = getattr(self._host, "_observed_addr_manager", None)
-        if manager is None:
-            return []
-        try:
-            return sorted({str(a) for a in manager.addrs(min_observers=1) if "/p2p-circuit" not in str(a)})
-        except Exception:
-            return []
-
-    def _relay_address(self) -> str | None:
-        addrs = relayed_addrs(self._host, self._relay)
-        return addrs[0] if addrs else None
-
     async def probe_reachability(self, peer_id: str, timeout: float) -> Reachability:
         """Ask a connected peer to dial us back (``nat_dialback.py``); never raises for network trouble."""
-        relay = self._relay_address()
-        try:
-            stream = await self.open_stream(peer_id, DIALBACK_PROTOCOL)
-        except NodeError as exc:
-            return Reachability("unknown", tuple(self._observed_addrs()), relay, f"no dial-back: {exc}")
-        try:
-            answer = await request_dialback(stream, self._listen_ports(), timeout)
-        except NodeError as exc:
-            return Reachability("unknown", tuple(self._observed_addrs()), relay, f"dial-back failed: {exc}")
-        finally:
-            await stream.close()
-        observed = tuple(sorted({answer.observed, *self._observed_addrs()} - {""}))
-        status = verdict([ok for _, ok in answer.results])
-        if answer.refused:
-            detail = f"{peer_id} refused to dial back: {answer.refused}"
-        else:
-            tried = ", ".join(f"{port}: {'reached' if ok else 'unreachable'}" for port, ok in answer.results)
-            detail = f"{peer_id} dialled back our observed IP on port(s) {tried}"
-        return Reachability(status, observed, relay, detail)
-
-    async def _on_dialback(self, stream: Any) -> None:
-        framed = FramedStream(_Libp2pByteStream(stream, self._host.get_network()))
-        try:
-            remote = stream.get_remote_address()
-            observed = (str(remote[0]), int(remote[1])) if remote else None
-        except Exception:
-            observed = None
-        relayed = any(is_relayed(c) for c in self._swarm_conns_of(stream.muxed_conn))
-        peer_id = framed.remote_peer_id
-
-        async def dial(ip: str, port: int) -> bool:
-            return await fresh_dial_check(self._host, peer_id, ip, port, DIALBACK_DIAL_TIMEOUT)
-
-        try:
-            await serve_dialback(
-                framed,
-                observed=observed,
-                relayed=relayed,
-                limiter=self._dialback_limiter,
-                now=trio.current_time(),
-                dial=dial,
-            )
-        except NodeError as exc:
-            log.info("dial-back request from %s ended: %s", peer_id, exc)
-        finally:
-            await framed.close()
-
-    def _swarm_conns_of(self, muxed_conn: Any) -> list[Any]:
-        conns = self._host.get_network().get_connections(muxed_conn.peer_id)
-        return [c for c in conns if getattr(c, "muxed_conn", None) is muxed_conn]
+        return await self.nat.probe_reachability(peer_id, timeout)
 
     async def reserve_relay(self, relay_peer_id: str) -> str:
         """Reserve a circuit-relay slot on a connected peer; our relayed multiaddr, or NodeError."""
-        try:
-            return await reserve(self._host, self._relay, relay_peer_id, self._nursery)
-        except trio.TooSlowError as exc:
-            raise NodeError(f"relay {relay_peer_id} did not answer", reason="relay_refused") from exc
-        except Exception as exc:
-            message = f"no relay slot on {relay_peer_id}: {_short(exc)}"
-            raise NodeError(message, reason="relay_refused") from exc
+        return await self.nat.reserve_relay(relay_peer_id)
 
     def nat_counters(self) -> NatCounters:
-        direct, relayed = connection_kinds(self._host)
-        stats = self._relay.stats
-        return NatCounters(
-            direct_connections=direct,
-            relayed_connections=relayed,
-            relay_reservations=tuple(sorted(self._relay.reservations)),
-            relayed_addrs=tuple(relayed_addrs(self._host, self._relay)),
-            hole_punches_ok=stats.ok,
-            hole_punches_failed=stats.failed,
-            last_time_to_direct_s=stats.last_time_to_direct_s,
-            relay_serving=self._relay.serving,
-            relay_clients=relay_clients(self._host, self._relay),
-            relay_refusals=relay_refusals(self._relay),
-            dialled_in_by=self._dialled_in_by(),
-        )
-
-    def _dialled_in_by(self) -> int:
-        """Peers with an open, direct connection they dialled to us (our inbound gate accepted it)."""
-        from libp2p.rcmgr import Direction
-
-        def dialled_in(connection: Any) -> bool:
-            inbound = getattr(connection, "direction", None) == Direction.INBOUND
-            return inbound and not _closing(connection) and not is_relayed(connection)
-
-        connections = self._host.get_network().connections
-        return sum(1 for conns in list(connections.values()) if any(dialled_in(c) for c in conns))
+        return self.nat.nat_counters()
 
 
 def _ips_of(addrs: list[Any]) -> set[str]:
@@ -580,284 +361,6 @@ def _ips_of(addrs: list[Any]) -> set[str]:
             except Exception:
                 continue
     return ips
-
-
-def _raise_on_exit(
-    exc: BaseException,
-    listen: str,
-    *,
-    started: bool,
-    body_error: BaseException | None,
-    failures: list[BaseException],
-) -> None:
-    """What leaves ``open_libp2p_host`` when ``exc`` ends its host: the caller's own error; a clear
-    NodeError for a host that could not start; a cancellation from outside. Returns (the context then ends
-    quietly, or raises ``host_failed`` if the host failed under the caller) for what libp2p reports while
-    shutting down."""
-    if body_error is not None and not _only_cancelled(body_error):
-        raise body_error from None  # the caller's own error
-    if not started:
-        own = first_node_error(exc)
-        if own is not None:
-            raise own from None
-        bind = _bind_error(exc)
-        if bind is not None:
-            raise NodeError(f"cannot listen on {listen}: {bind.strerror}", reason="port_in_use") from None
-        if isinstance(exc, Exception):
-            raise NodeError(
-                f"cannot start the libp2p host on {listen}: {_short(exc)}", reason="listen_failed"
-            ) from exc
-        raise exc
-    # A py-libp2p service that fails cancels the code running inside its context (the caller's body):
-    # that is the host failing, not the caller stopping, so the body's cancellation must not end the
-    # context quietly (``open_libp2p_host`` raises it once out of its teardown scope). While shutting down
-    # the services sometimes spawn tasks into closing nurseries: log that, and let a cancellation from
-    # outside go on its way.
-    if body_error is not None and failures:
-        return
-    if isinstance(exc, BaseExceptionGroup):
-        cancelled, rest = exc.split(trio.Cancelled)
-        if rest is not None:
-            log.debug("libp2p reported errors while shutting down: %r", rest)
-        if cancelled is not None:
-            raise cancelled from None
-    elif isinstance(exc, trio.Cancelled | KeyboardInterrupt):
-        raise exc
-    else:
-        log.debug("libp2p reported an error while shutting down: %r", exc)
-
-
-@asynccontextmanager
-async def _failures_into(failures: list[BaseException]) -> AsyncIterator[None]:
-    """Note what leaves the block other than cancellation (a py-libp2p service that failed: its context
-    cancels the code inside it, so the caller sees only ``Cancelled``), and let it go on its way."""
-    try:
-        yield
-    except BaseException as exc:
-        rest = exc.split(trio.Cancelled)[1] if isinstance(exc, BaseExceptionGroup) else exc
-        if rest is not None and not isinstance(rest, trio.Cancelled):
-            failures.append(rest)
-        raise
-
-
-def _only_cancelled(exc: BaseException) -> bool:
-    return isinstance(exc, trio.Cancelled) or (
-        isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None
-    )
-
-
-def _first_leaf(exc: BaseException) -> BaseException:
-    """The first exception inside (nested) exception groups: the one worth a line."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc
-
-
-def _dial_cause(exc: BaseException, depth: int = 8) -> str:
-    """What made a dial fail, in the operating system's words where there are some ("connection
-    refused"), not py-libp2p's wrapper ("no addresses established a successful connection (with
-    exceptions)"): the first OSError with an error number down its causes, else its own first line."""
-    pending: list[tuple[BaseException, int]] = [(exc, 0)]
-    seen: set[int] = set()
-    while pending:
-        current, level = pending.pop(0)
-        if id(current) in seen or level > depth:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno is not None and current.strerror:
-            return current.strerror.lower()
-        children = [*(getattr(current, "errors", None) or ()), *(getattr(current, "exceptions", None) or ())]
-        children += [c for c in (current.__cause__, current.__context__) if c is not None]
-        pending += [(child, level + 1) for child in children if isinstance(child, BaseException)]
-    return _short(exc)
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text[:200]
-
-
-def _gossipsub(heartbeat_interval: int) -> Any:
-    from libp2p.custom_types import TProtocol
-    from libp2p.pubsub.gossipsub import GossipSub
-
-    router = GossipSub(
-        protocols=[TProtocol(GOSSIPSUB_PROTOCOL)],
-        degree=6,
-        degree_low=4,
-        degree_high=12,
-        heartbeat_interval=heartbeat_interval,
-        prune_back_off=GOSSIP_PRUNE_BACKOFF,
-        max_messages_per_topic_per_second=1000.0,
-        # Its "v2.0" extras measure IP diversity and adapt degrees; with peers that share an IP (one machine,
-        # one data centre, loopback) they shrink meshes and heartbeats go missing. Off: our own scoring rules.
-        adaptive_gossip_enabled=False,
-        eclipse_protection_enabled=False,
-    )
-    router.graft_flood_threshold = GOSSIP_GRAFT_FLOOD_THRESHOLD
-    # Its peer scorer with default parameters scores every peer 0 and gates nothing (thresholds -inf,
-    # weights 0); what it does do is "opportunistic grafting" on every heartbeat: 2 more peers per topic
-    # whenever they score >= half the mesh median (0 >= 0), so meshes grow past degree_high each few
-    # seconds and are pruned back: endless GRAFT/PRUNE traffic in an idle swarm. Misbehaviour is scored by
-    # our own peer policy; with no scorer its mesh upkeep is the plain gossipsub one.
-    router.scorer = None
-    return router
-
-
-def _bind_error(exc: BaseException) -> OSError | None:
-    """The OSError inside whatever py-libp2p wrapped it in, if any."""
-    seen: set[int] = set()
-    stack: list[BaseException] = [exc]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in (
-            errno.EADDRINUSE,
-            errno.EADDRNOTAVAIL,
-            errno.EACCES,
-        ):
-            return current
-        if isinstance(current, BaseExceptionGroup):
-            stack.extend(current.exceptions)
-        for linked in (current.__cause__, current.__context__):
-            if linked is not None:
-                stack.append(linked)
-    return None
-
-
-def _refuse_a_port_in_use(listen_addr: Any) -> None:
-    """py-libp2p's listener sets SO_REUSEPORT, so a second node would bind a port in use and share it
-    (``port_check``): refuse that before the host starts."""
-    for protocol in ("ip4", "ip6"):
-        try:
-            host = listen_addr.value_for_protocol(protocol)
-            port = int(listen_addr.value_for_protocol("tcp"))
-        except Exception:
-            continue
-        ensure_port_free(host, port)
-        return
-
-
-def _why_bind_fails(listen_addr: Any) -> str:
-    """Reproduce the bind py-libp2p attempted, to tell the user why it failed."""
-    try:
-        host = listen_addr.value_for_protocol("ip4")
-        port = int(listen_addr.value_for_protocol("tcp"))
-        with socket.socket() as probe:
-            probe.bind((host, port))
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    except Exception:
-        return "the address cannot be bound"
-    return "the transport refused it"
-
-
-def _resource_manager() -> Any:
-    """py-libp2p's resource manager without its global circuit breaker and load shedding: after five
-    failures anywhere (routine churn) the breaker refuses every new connection for 60 s, which stalls
-    discovery. Stream, connection and memory limits stay on; our own scoring handles abusive peers."""
-    from libp2p.rcmgr.manager import ResourceManager
-
-    return ResourceManager(enable_circuit_breaker=False, enable_graceful_degradation=False)
-
-
-@dataclass(frozen=True)
-class _HostParts:
-    host: Any
-    pubsub: Any
-    gossipsub: Any
-    dht: Any
-    known: KnownPeers
-    gate: InboundGate
-    guard: ProviderGuard
-    relay: RelayParts
-
-
-def _build_host(
-    key: WalletKey,
-    listen_addr: Any,
-    gossip_heartbeat_interval: int,
-    limits: ConnectionLimits,
-    *,
-    relay_service: bool = False,
-    hole_punching: bool = True,
-    relay_reservations: ReservationLimits | None = None,
-) -> _HostParts:
-    """The host (Noise only, yamux only, one connection per peer) behind our inbound gate, pubsub,
-    gossipsub, a server-mode DHT whose provider store is budgeted per IP group, and circuit relay v2 (a
-    relay for others if ``relay_service``) with DCUtR hole punching if ``hole_punching``."""
-    from libp2p import create_yamux_muxer_option, new_host
-    from libp2p.crypto.secp256k1 import create_new_key_pair
-    from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
-    from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
-    from libp2p.network.config import ConnectionConfig
-    from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-    from libp2p.security.noise.transport import Transport as NoiseTransport
-
-    from prime_node.p2p.gossip_router import LeanPubsub
-
-    # yamux closer to go-yamux (prime_node/p2p/yamux_tuning.py): fewer window updates, and a message is
-    # written whole or its stream ends.
-    if tune_yamux(os.environ):
-        credit_per_half_window()
-    whole_writes()
-    key_pair = create_new_key_pair(key.secret)
-    noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
-    host = new_host(
-        key_pair=key_pair,
-        sec_opt={NOISE_PROTOCOL_ID: noise},
-        muxer_opt=create_yamux_muxer_option(),
-        # One connection per peer keeps dials fast (no 250 ms wait for extra connections). When two peers
-        # dial each other at once, py-libp2p later "trims" one connection and resets every stream on it;
-        # an endless grace period turns that off (at worst a pair keeps two connections).
-        connection_config=ConnectionConfig(
-            max_connections_per_peer=1,
-            grace_period=NEVER_TRIM,
-            inbound_upgrade_timeout=limits.handshake_timeout,
-        ),
-        listen_addrs=[listen_addr],
-        resource_manager=_resource_manager(),
-    )
-    swarm = host.get_network()
-    known = KnownPeers()
-    gate = InboundGate(swarm, limits, known)
-    gate.install()
-    relax_dial_backoff(swarm)
-    _contain_stream_failures(host)
-    gossipsub = _gossipsub(gossip_heartbeat_interval)
-    pubsub = LeanPubsub(host, gossipsub)
-    dht = KadDHT(host, DHTMode.SERVER)
-    guard = ProviderGuard(swarm, dht.provider_store, limits, known)
-    guard.install()
-    relay = build_relay_parts(
-        host,
-        relay_service=relay_service,
-        hole_punching=hole_punching,
-        reservations=relay_reservations,
-        is_known=known.has_peer,
-        group_of=limits.group_of,
-    )
-    return _HostParts(host, pubsub, gossipsub, dht, known, gate, guard, relay)
-
-
-def _contain_stream_failures(host: Any) -> None:
-    """An error in the handler of one inbound stream ends that stream, not the host. py-libp2p runs every
-    handler (its own: identify, DHT, relay, DCUtR, pubsub; and ours) inside the connection's service, so an
-    exception a handler lets escape, e.g. on bytes a peer chose, failed the whole host."""
-    dispatch = host._swarm_stream_handler
-
-    async def contained(stream: Any) -> None:
-        try:
-            await dispatch(stream)
-        except Exception as exc:
-            peer = getattr(getattr(stream, "muxed_conn", None), "peer_id", "?")
-            log.info("resetting a stream from %s: its handler failed: %s", peer, _short(exc))
-            with contextlib.suppress(Exception):
-                await stream.reset()
-
-    host.get_network().set_stream_handler(contained)
 
 
 @asynccontextmanager
@@ -890,11 +393,11 @@ async def open_libp2p_host(
     listen_addr = parse_multiaddr(listen, need_peer_id=False)
     if "/tcp/" not in listen:
         raise NodeError(f"listen address {listen!r} must be TCP (/ip4/.../tcp/PORT)", reason="bad_multiaddr")
-    _refuse_a_port_in_use(listen_addr)
+    refuse_a_port_in_use(listen_addr)
 
     from libp2p.tools.anyio_service import background_trio_service
 
-    parts = _build_host(
+    parts = build_host(
         key,
         listen_addr,
         gossip_heartbeat_interval,
@@ -912,17 +415,17 @@ async def open_libp2p_host(
     with trio.CancelScope() as teardown:
         try:
             async with (
-                _failures_into(failures),
+                failures_into(failures),
                 host.run(listen_addrs=[listen_addr]),
                 trio.open_nursery() as nursery,
             ):
                 if not host.get_network().listeners:  # py-libp2p logs a failed bind and carries on
                     raise NodeError(
-                        f"cannot listen on {listen}: {_why_bind_fails(listen_addr)}", reason="port_in_use"
+                        f"cannot listen on {listen}: {why_bind_fails(listen_addr)}", reason="port_in_use"
                     )
                 started = True
                 async with (
-                    _failures_into(failures),
+                    failures_into(failures),
                     background_trio_service(parts.pubsub),
                     background_trio_service(parts.gossipsub),
                     background_trio_service(parts.dht),
@@ -938,9 +441,9 @@ async def open_libp2p_host(
                     finally:
                         teardown.cancel()
         except BaseException as exc:
-            _raise_on_exit(exc, listen, started=started, body_error=body_error, failures=failures)
+            raise_on_exit(exc, listen, started=started, body_error=body_error, failures=failures)
     if body_error is not None and failures:
         await trio.lowlevel.checkpoint_if_cancelled()  # cancelled from outside as well: that is a stop
         log.warning("the libp2p host stopped", exc_info=failures[0])
-        cause = _first_leaf(failures[0])
-        raise NodeError(f"the libp2p host stopped: {_short(cause)}", reason="host_failed") from cause
+        cause = first_leaf(failures[0])
+        raise NodeError(f"the libp2p host stopped: {short(cause)}", reason="host_failed") from cause

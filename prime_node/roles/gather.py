@@ -21,6 +21,7 @@ informative group is counted and never trained on.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -89,6 +90,15 @@ class StepGatherer(Generic[T]):
             return False
         self._queue.append(candidate)
         return True
+
+    def by_policy(self) -> Counter[int]:
+        """Queued batches per policy step (what the trainer's demand counts as had)."""
+        return Counter(c.policy_step for c in self._queue)
+
+    def queued_steps(self) -> int:
+        """Steps the queued batches fill (``prompts_per_step`` groups each, rounded up)."""
+        groups = sum(c.size for c in self._queue)
+        return -(-groups // self.prompts_per_step)
 
     def drop_stale(self, current_step: int) -> list[Candidate[T]]:
         """Remove and return the queued batches too old for ``current_step`` (counted in

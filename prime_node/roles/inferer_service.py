@@ -8,8 +8,14 @@ batch for (its address, policy step, batch counter) with TOPLOC proofs in a work
 it signed. Counters start at the wall clock in ms and only grow, so a restarted inferer never repeats a
 draw.
 
-To avoid wasted work it produces at most ``batches_per_policy`` batches per policy step and then waits
-(briefly) for a newer one: batches of an old policy go stale at the trainer. Verdicts about its own
+To avoid wasted work it produces what the trainer will take (issue 38): given the trainer's signed demand
+(``roles/demand.py``, a ``DemandView`` the node shares), it starts a batch only if its policy will still
+be at or above the trainer's floor when the batch arrives (the floor projected over the batch's measured
+generation time and verdict round trip) and the trainer still wants batches of that policy step beyond
+those already on their way (its own batches awaiting a verdict, and every accepted verdict it heard
+since the demand was issued); otherwise it waits for a newer policy or a newer demand. With no demand
+heard it produces at most ``batches_per_policy`` batches per policy step and then waits (briefly) for a
+newer one: batches of an old policy go stale at the trainer. Verdicts about its own
 batches are counted for the status section "rollouts" (and any rejection charges the worker, via
 ``ReputationService``, like on every node).
 
@@ -42,8 +48,20 @@ from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.hardware import default_threads
+from prime_node.ml.engines import load_engine
+from prime_node.ml.evaluation import encode_prompt
 from prime_node.ml.oom_retry import ChunkedEngine, cuda_free_bytes
+from prime_node.ml.rollout_batch import make_batch, with_tied_head
+from prime_node.ml.tokenizer import load_tokenizer
+from prime_node.ml.vram_plan import GenerationSettings, model_shape, plan_generation
 from prime_node.node.stage_times import StageTimes
+from prime_node.tasks.factory import build_task
+from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings
+from prime_node.verification.proofs import build_proofs
+from prime_node.verification.proving import seal_batch
+from prime_node.verification.reputation import ReputationService
+from prime_node.verification.topics import VERDICTS_TOPIC, publish_frame
+from protocol.codec import encode
 from protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
@@ -51,11 +69,14 @@ if TYPE_CHECKING:
     from prime_node.ml.vram_plan import VramPlan
     from prime_node.node.context import NodeContext
     from prime_node.node.gossip import Delivered
+    from prime_node.roles.demand import DemandView
     from prime_node.tasks.base import TaskSource
     from prime_node.verification.batch_transfer import BatchTransfer
 
 log = logging.getLogger(__name__)
 MAX_TRACKED_BATCHES = 4096
+ETA_WEIGHT = 0.3
+"""Weight of the newest measurement in the generation and verdict round-trip means."""
 
 
 PROMPT_SAMPLE = 256
@@ -64,7 +85,6 @@ PROMPT_SAMPLE = 256
 
 def longest_prompt(task: TaskSource, tokenizer: Any, sample: int = PROMPT_SAMPLE) -> int:
     """Tokens in the longest of the task's first ``sample`` train prompts."""
-    from prime_node.ml.evaluation import encode_prompt
 
     ids = task.train_ids()[:sample]
     return max((len(encode_prompt(tokenizer, task.prompt(i))) for i in ids), default=1)
@@ -123,11 +143,6 @@ class HonestProducer:
     ) -> list[bytes]:
         import torch
 
-        from prime_node.ml.rollout_batch import make_batch
-        from prime_node.verification.proofs import build_proofs
-        from prime_node.verification.proving import seal_batch
-        from protocol.codec import encode
-
         proving = 0.0
 
         def timed_proofs(hiddens: list[torch.Tensor]) -> list[bytes]:
@@ -174,6 +189,7 @@ class InfererService:
         device: str = "cpu",
         free_vram: Callable[[str], int] | None = None,
         threads: int = 0,
+        demand: DemandView | None = None,
     ) -> None:
         self.key = key
         self.device = device
@@ -213,6 +229,17 @@ class InfererService:
         self._reputation: Any = None
         self.transfer: BatchTransfer | None = None
         """Serves this inferer's large batches over the data plane (built when the service runs)."""
+        self.demand = demand
+        """The trainer's demand as this node believes it (None: produce as without demand)."""
+        self.held_back: Counter[str] = Counter()
+        """Batches not started, by the demand's reason (``would_be_stale``, ``wants_met``)."""
+        self.generate_mean_s = 0.0
+        self.round_trip_mean_s = 0.0
+        self._sent_policy: dict[bytes, int] = {}
+        self._accepted_since: Counter[int] = Counter()
+        """Accepted batches per policy step whose verdict was heard since the demand ``_since_sequence``."""
+        self._accepted_ids: set[bytes] = set()
+        self._since_sequence: int | None = None
 
     def status(self) -> dict[str, Any]:
         return {
@@ -225,6 +252,8 @@ class InfererService:
             "waited_for_verdicts_s": round(self.waited_for_verdicts_s, 2),
             "in_flight": len(self._in_flight),
             "policy_waits": self.skipped_waits,
+            "held_back": dict(self.held_back),
+            "eta_s": round(self.eta_s(), 3),
             "errors": dict(self.errors),
             "adversary": self.producer.adversary,
             "stages": self.stages.summary(),
@@ -235,12 +264,6 @@ class InfererService:
         }
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        from prime_node.verification.batch_transfer import (
-            BatchTransfer,
-            TransferSettings,
-        )
-        from prime_node.verification.reputation import ReputationService
-        from prime_node.verification.topics import VERDICTS_TOPIC
 
         context.add_status_section("rollouts", self.status)
         if self.config.trusted_validators:
@@ -262,6 +285,7 @@ class InfererService:
         counter = context.clock.wall_ms()
         made_for_policy = 0
         while True:
+            switched = False
             newest = self.swarm.newest()
             if newest is not None and newest[0] > self.policy_step_or(-1):
                 try:
@@ -272,7 +296,11 @@ class InfererService:
                     await trio.sleep(0.2)
                     continue
                 made_for_policy = 0
-            elif (
+                switched = True
+            if self.demand is not None and self.demand.current() is not None:
+                if not await self._wanted(self.policy_step_or(0)):
+                    continue
+            elif not switched and (
                 made_for_policy >= self.batches_per_policy
                 or self._announced() - self.policy_step_or(0) >= self.config.async_level
             ):
@@ -292,13 +320,73 @@ class InfererService:
                 await trio.sleep(1.0)
                 counter += 1
                 continue
-            self.generate_s += trio.current_time() - started
+            took = trio.current_time() - started
+            self.generate_s += took
+            self.generate_mean_s = _mean(self.generate_mean_s, took)
             counter += 1
             made_for_policy += 1
             self.produced += 1
             published = trio.current_time()
             await self._publish(context, frames)
             self.stages.add("publish", trio.current_time() - published)
+
+    async def _wanted(self, policy_step: int) -> bool:
+        """Whether the trainer's demand wants a batch of ``policy_step`` started now; if not, wait (at most
+        ``policy_wait_s``) for a newer policy or a newer demand, and say no."""
+        assert self.demand is not None
+        decision = self.demand.should_start(
+            policy_step,
+            eta_s=self.eta_s(),
+            in_flight=self.in_flight_of(policy_step),
+            in_flight_total=self.in_flight_of(None),
+        )
+        if decision.go:
+            return True
+        self.held_back[decision.reason] += 1
+        demand = self.demand
+        with trio.move_on_after(self.policy_wait_s):
+            async with trio.open_nursery() as nursery:
+
+                async def newer_policy() -> None:
+                    await self.swarm.wait_newer(policy_step)
+                    nursery.cancel_scope.cancel()
+
+                async def newer_demand() -> None:
+                    await demand.wait_changed()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(newer_policy)
+                nursery.start_soon(newer_demand)
+        return False
+
+    def eta_s(self) -> float:
+        """Seconds from starting a batch to the trainer holding its verdict (measured means)."""
+        return self.generate_mean_s + self.round_trip_mean_s
+
+    def in_flight_of(self, policy_step: int | None) -> int:
+        """Batches of ``policy_step`` (None: of any step) on their way that the current demand cannot know
+        of: ours awaiting a verdict, and every accepted one (ours or others') whose verdict was heard since
+        it was issued."""
+        self._since_demand()
+        now = trio.current_time()
+        ours = sum(
+            1
+            for batch_id, sent in self._in_flight.items()
+            if (policy_step is None or self._sent_policy.get(batch_id) == policy_step)
+            and now - sent <= self.verdict_timeout_s
+        )
+        if policy_step is None:
+            return ours + sum(self._accepted_since.values())
+        return ours + self._accepted_since[policy_step]
+
+    def _since_demand(self) -> None:
+        """Forget the verdicts counted against an older demand (a newer one counts them itself)."""
+        demand = self.demand.current() if self.demand is not None else None
+        sequence = None if demand is None else demand.sequence
+        if sequence != self._since_sequence:
+            self._since_sequence = sequence
+            self._accepted_since.clear()
+            self._accepted_ids.clear()
 
     async def _backpressure(self) -> None:
         """Wait while ``max_in_flight`` of our batches await a verdict: more would only queue up at the
@@ -332,7 +420,6 @@ class InfererService:
     # -- publishing and verdicts ---------------------------------------------------------------------
 
     async def _publish(self, context: NodeContext, frames: list[bytes]) -> None:
-        from prime_node.verification.topics import publish_frame
 
         for frame in frames:
             try:
@@ -346,8 +433,11 @@ class InfererService:
             self.published += 1
             self.mine[batch_id] = self.policy_step_or(0)
             self._in_flight[batch_id] = trio.current_time()
+            self._sent_policy[batch_id] = self.policy_step_or(0)
             while len(self.mine) > MAX_TRACKED_BATCHES:
                 self.mine.pop(next(iter(self.mine)))
+            while len(self._sent_policy) > MAX_TRACKED_BATCHES:
+                self._sent_policy.pop(next(iter(self._sent_policy)))
 
     async def on_verdict(self, message: Delivered) -> None:
         """A gossiped verdict: charge rejected workers, count the ones about our own batches."""
@@ -358,8 +448,18 @@ class InfererService:
             return
         verdict, _ = opened
         self._reputation.observe(verdict)
-        if self._in_flight.pop(verdict.batch_id, None) is not None:
+        sent = self._in_flight.pop(verdict.batch_id, None)
+        if sent is not None:
+            took = trio.current_time() - sent
+            self.stages.add("verdict_round_trip", took)
+            self.round_trip_mean_s = _mean(self.round_trip_mean_s, took)
             self._verdict_arrived.set()
+        self._sent_policy.pop(verdict.batch_id, None)
+        if verdict.accepted:
+            self._since_demand()
+            if verdict.batch_id not in self._accepted_ids and len(self._accepted_ids) < MAX_TRACKED_BATCHES:
+                self._accepted_ids.add(verdict.batch_id)  # a quorum's several verdicts count once
+                self._accepted_since[verdict.policy_step] += 1
         if verdict.worker != self.key.address or self.mine.pop(verdict.batch_id, None) is None:
             return
         if verdict.accepted:
@@ -372,10 +472,6 @@ class InfererService:
 
     def _load(self, step: int, path: Path) -> None:
         import torch
-
-        from prime_node.ml.engines import load_engine
-        from prime_node.ml.tokenizer import load_tokenizer
-        from prime_node.tasks.factory import build_task
 
         torch.set_num_threads(self.threads)  # torch keeps the count per OS thread
         self._tokenizer = load_tokenizer(path)
@@ -400,7 +496,6 @@ class InfererService:
 
     def plan_vram(self, path: Path) -> VramPlan:
         """The generation plan for the model in ``path`` on this inferer's device (``ml/vram_plan.py``)."""
-        from prime_node.ml.vram_plan import GenerationSettings, model_shape, plan_generation
 
         settings = GenerationSettings(
             batch=self.config.samples_per_step,
@@ -412,7 +507,6 @@ class InfererService:
 
     def _switch(self, step: int, path: Path) -> None:
         from prime_node.ml.checkpoint import read_weights
-        from prime_node.ml.rollout_batch import with_tied_head
 
         weights = read_weights(path)
         self._engine.load_weights(with_tied_head(self._engine.model, weights), step)
@@ -431,3 +525,8 @@ class InfererService:
             counter=counter,
             now_ms=now_ms,
         )
+
+
+def _mean(mean: float, value: float) -> float:
+    """An exponential mean that starts at its first value."""
+    return value if mean <= 0 else (1 - ETA_WEIGHT) * mean + ETA_WEIGHT * value

@@ -21,6 +21,11 @@ Demand (advisory; it only steers roles, never admission): live inferers and vali
 records' ``role``; the backlog is the number of rollout batches gossiped in the last minute that no
 verdict has named yet (a validator uses its own queue length instead).
 
+The trainer's demand (issue 38: which policy steps it still accepts, how many batches it still wants;
+``roles/demand.py``) is heard by one ``DemandView`` per node, started once the run's trainer is known and
+shared by the roles that use it: the inferer produces what the trainer will take, and the validator's
+intake drops what falls below the trainer's floor.
+
 The runner reports the chosen role, the hardware ``--gpu`` selected and the device the role computes on
 (``hardware.select_device``: ``cpu`` or ``cuda:N``, handed to the role's engines) as a part of the node's
 peer record (``NodeContext.add_record_source``) and in its status section. Each role's services run on
@@ -44,6 +49,9 @@ import trio
 from crypto.keys import Address, WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
+from prime_node.hardware import measure_cpu_decode, probe, role_threads, select_device, to_summary
+from prime_node.ml.engines import admit_device
+from prime_node.ml.vram_plan import model_shape
 from prime_node.node.context import RecordPart
 from prime_node.roles.announcement import RunFollower, worker_run_config
 from prime_node.roles.choice import (
@@ -51,7 +59,21 @@ from prime_node.roles.choice import (
     holds_trainer_key,
     requirements_for_shape,
 )
+from prime_node.roles.demand import DemandView
+from prime_node.roles.inferer_service import InfererService
 from prime_node.roles.progress import PROGRESS_INTERVAL_S, Progress, ProgressReporter
+from prime_node.verification.batch_archive import BatchArchive
+from prime_node.verification.cheating import CheatingProducer
+from prime_node.verification.inbox import IntakeHooks, new_batch_id
+from prime_node.verification.reputation import ReputationService
+from prime_node.verification.service import ValidatorService, ValidatorSettings
+from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
+from protocol.codec import decode
+from protocol.envelope import Envelope
+from protocol.errors import ProtocolError
+from protocol.membership import PeerState
+from protocol.roles import SwarmDemand
+from protocol.verdict import Verdict
 
 if TYPE_CHECKING:
     from prime_node.hardware import GpuSelection
@@ -105,11 +127,6 @@ def preload(threads: int = 0) -> None:
         torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM  # noqa: F401
 
-    import prime_node.ml.engine
-    import prime_node.ml.rollout_batch
-    import prime_node.ml.session
-    import prime_node.verification.validator  # noqa: F401
-
 
 async def _preload_in_thread(done: trio.Event | None = None, threads: int = 0) -> None:
     try:
@@ -123,7 +140,6 @@ def requirements_for(config: RunConfig, checkpoint: Path) -> RunRequirements:
     """What the run's model needs (``choice.requirements_for_shape``): its parameter count and shape from
     the checkpoint's config.json and safetensors headers (whatever dtype the file holds: no weight is
     read). NodeError ``bad_model_dir`` for an unreadable config or header, or no weights."""
-    from prime_node.ml.vram_plan import model_shape
 
     shape = model_shape(checkpoint)
     if shape.params < 1:
@@ -134,7 +150,6 @@ def requirements_for(config: RunConfig, checkpoint: Path) -> RunRequirements:
 def measured_profile(profile: HardwareProfile, config: RunConfig, threads: int) -> HardwareProfile:
     """``profile`` with the CPU decode rate of ``threads`` in the run's dtype and batch measured, where
     the role could infer on the CPU (the run allows it, the node has no GPU); otherwise as it is."""
-    from prime_node.hardware import measure_cpu_decode
 
     if profile.gpus or "cpu" not in config.inferer_devices:
         return profile
@@ -165,6 +180,9 @@ class RoleSettings:
     """At most this often a progress line to ``notify`` (``roles.progress``), and a summary on stop."""
     progress_json: bool = False
     """``join --json``: progress lines and the summary as JSON objects."""
+    keep_batches: int = 0
+    """``--keep-batches``: save this many of the signed batches the validator sees (DATA_DIR/batches)."""
+    keep_batches_max_bytes: int = 1 << 30
 
 
 class RoleRunner:
@@ -215,6 +233,11 @@ class RoleRunner:
         self._stopped = trio.Event()
         self._advertised: RecordPart | None = None
         self._wall_ms: Callable[[], int] = lambda: 0  # the node's wall clock, once running
+        self.demand: DemandView | None = None
+        """The run trainer's demand, once the run is known (shared by the role's services)."""
+        self.keep_batches = (settings.keep_batches, settings.keep_batches_max_bytes)
+        self.archive: BatchArchive | None = None
+        """Where the validator keeps the batches it saw (``--keep-batches``): one for every role switch."""
 
     @property
     def role(self) -> str:
@@ -259,7 +282,6 @@ class RoleRunner:
         return self._advertised or RecordPart()
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        from prime_node.hardware import probe, role_threads, to_summary
 
         self.threads = role_threads(self.threads)
         self._wall_ms = context.clock.wall_ms
@@ -287,6 +309,17 @@ class RoleRunner:
             )
             self.swarm.trainer = announcement.trainer
             self.swarm.keep = max(self.swarm.keep, config.async_level + 1)
+            self.demand = DemandView(config.run_id, announcement.trainer)
+            count, max_bytes = self.keep_batches
+            if count > 0:
+                self.archive = BatchArchive(
+                    self.data_dir / "batches",
+                    count,
+                    max_bytes,
+                    policy_roots=(self.data_dir / "swarm" / "checkpoints",),
+                    run_config=config,
+                )
+            await nursery.start(self.demand.run, context)
             await self._tap(context)
             self.reason = "waiting for the first checkpoint"
             _, path = await self.swarm.wait_newer(None)
@@ -308,8 +341,6 @@ class RoleRunner:
 
     def _decide(self, context: NodeContext, requirements: RunRequirements) -> RoleDecision:
         """The swarm's demand as this node sees it, then ``choice.decide_role`` (what ``doctor`` runs)."""
-        from protocol.membership import PeerState
-        from protocol.roles import SwarmDemand
 
         assert self.profile is not None and self.config is not None
         inferers = validators = 0
@@ -344,8 +375,6 @@ class RoleRunner:
         role = decision.role
         self.device = self._device_for(role)
         if self.device:
-            from prime_node.ml.engines import admit_device
-
             admit_device(config, role, self.device)  # NodeError with the fix: never an uncalibrated pair
         self._advertised = dataclasses.replace(self.record_part(), role=role, hardware=self._summary())
         log.info("role: %s (%s)%s", role, decision.reason, f" on {self.device}" if self.device else "")
@@ -378,23 +407,18 @@ class RoleRunner:
 
     def _device_for(self, role: str) -> str:
         """The device of a role that runs a model (NodeError if the selected GPU is gone), else empty."""
-        from prime_node.hardware import select_device
 
         if role not in ("inferer", "validator") or self.profile is None:
             return ""
         return select_device(self.profile, self.gpus)
 
     def _summary(self) -> HardwareSummary | None:
-        from prime_node.hardware import to_summary
 
         return None if self.profile is None else to_summary(self.profile, self.device)
 
     def _build(self, role: str, config: RunConfig) -> list[Any]:
         """The role's services, the one whose status steers the policy last."""
         if role == "inferer":
-            from prime_node.roles.inferer_service import InfererService
-            from prime_node.verification.cheating import CheatingProducer
-
             cheat = (
                 None
                 if self.adversary is None
@@ -408,12 +432,10 @@ class RoleRunner:
                     producer=cheat,
                     device=self.device,
                     threads=self.threads,
+                    demand=self.demand,
                 )
             ]
         if role == "validator":
-            from prime_node.verification.reputation import ReputationService
-            from prime_node.verification.service import ValidatorService, ValidatorSettings
-
             reputation = ReputationService(run_config=config)  # hears verdicts, charges rejected workers
             validator = ValidatorService(
                 key=self.key,
@@ -423,6 +445,11 @@ class RoleRunner:
                 reputation=reputation,
                 settings=ValidatorSettings(keep_policies=config.async_level + 1, device=self.device),
                 policies_changed=self.swarm.wait_changed,
+                # Below the trainer's published floor a batch can no longer be trained: not judged, not
+                # charged (verification/inbox); the kept batches go to ``--keep-batches``'s archive.
+                hooks=IntakeHooks(
+                    archive=self.archive, floor=self.demand.floor if self.demand is not None else None
+                ),
             )
             return [reputation, validator]
         if role == "trainer":
@@ -436,7 +463,6 @@ class RoleRunner:
     # -- demand taps: the runner hears rollouts (unless pinned) and verdicts beside the role's services --
 
     async def _tap(self, context: NodeContext) -> None:
-        from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
 
         await context.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
         if self.pinned is None:  # only the policy needs the backlog: receiving every batch costs CPU
@@ -444,22 +470,13 @@ class RoleRunner:
 
     async def _on_rollout(self, message: Delivered) -> None:
         """Count a new rollout batch: a gossiped batch, or a worker's own offer of one that moves over the
-        data plane (peers that re-announce a batch they fetched do not make it a new one)."""
-        from crypto.digests import blake3
-        from protocol.rollout_transfer import read_announcement
-
-        announcement = read_announcement(message.payload)
-        if announcement is not None:
-            if announcement.worker == message.origin:
-                self.meter.rollout(announcement.batch_id, trio.current_time())
-            return
-        self.meter.rollout(blake3(message.payload), trio.current_time())
+        data plane (peers that re-announce a batch they fetched do not make it a new one): the inbox's
+        rule (verification/inbox), so the backlog and the intake count the same batches."""
+        batch_id = new_batch_id(message.payload, message.origin)
+        if batch_id is not None:
+            self.meter.rollout(batch_id, trio.current_time())
 
     async def _on_verdict(self, message: Delivered) -> None:
-        from protocol.codec import decode
-        from protocol.envelope import Envelope
-        from protocol.errors import ProtocolError
-        from protocol.verdict import Verdict
 
         try:
             verdict = decode(decode(message.payload, Envelope).payload, Verdict)

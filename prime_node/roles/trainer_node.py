@@ -22,6 +22,9 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.node_config import NodeConfig
+from prime_node.roles.announcement import RunAnnouncer
+from prime_node.roles.trainer_service import TrainerOptions, TrainerService, check_trainer_key
+from prime_node.verification.batch_archive import open_archive
 from protocol.run_announcement import MAX_BOOTSTRAP, RunAddress
 
 EVALUATION_POLL_S = 1.0
@@ -57,10 +60,9 @@ def build_trainer_node(
     announce_period: float = 5.0,
     dist: DistInfo | None = None,
 ) -> TrainerNode:
-    from prime_node.roles.announcement import RunAnnouncer
-    from prime_node.roles.trainer_service import TrainerOptions, TrainerService, check_trainer_key
-    from prime_node.swarm.service import SwarmService
+    from prime_node.swarm.service import SwarmService, SwarmSettings
     from prime_node.verification.admission_service import AdmissionService
+    from prime_node.verification.inbox import IntakeHooks
 
     run_config = check_trainer_key(run_config, key)
     swarm = SwarmService(
@@ -68,12 +70,23 @@ def build_trainer_node(
         run_id=run_config.run_id,
         trainer=key.address,
         store_dir=node_config.data_dir / "swarm",
-        dataplane_host=dataplane_host,
-        dataplane_port=dataplane_port,
-        keep=run_config.async_level + 1,
-        follow=False,
+        settings=SwarmSettings(
+            dataplane_host=dataplane_host,
+            dataplane_port=dataplane_port,
+            keep=run_config.async_level + 1,
+            follow=False,
+        ),
     )
-    admission = AdmissionService(run_config=run_config)
+    archive = open_archive(
+        node_config,
+        policy_roots=(run_config.output_dir / "policies", node_config.data_dir / "swarm" / "checkpoints"),
+        run_config=run_config,
+    )
+    admission = AdmissionService(
+        run_config=run_config,
+        newest_step=lambda: trainer.step,  # the trainer's own step: a claim past it is certain to be bad
+        hooks=IntakeHooks(archive=archive),
+    )
     trainer = TrainerService(
         key=key,
         run_config=run_config,

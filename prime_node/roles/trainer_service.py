@@ -33,9 +33,12 @@ from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.hardware import default_threads
+from prime_node.node.context import RecordPart
 from prime_node.node.stage_times import StageTimes
+from prime_node.roles.demand import DemandPublisher, plan_demand
 from prime_node.roles.gather import STALE_IN_QUEUE, Candidate, StepGatherer
 from prime_node.roles.publish_stats import PublishStats
+from protocol.codec import encode
 
 if TYPE_CHECKING:
     from prime_node.ml.distributed import DistInfo
@@ -47,6 +50,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_CURVE_POINTS = 512
+STEP_MS_WEIGHT = 0.2
+"""Weight of the newest step interval in the demand's ``step_ms`` (an exponential mean)."""
 
 
 class Sharer(Protocol):
@@ -115,6 +120,8 @@ class TrainerOptions:
     fill_wait_s: float = 0.5
     """How long a step waits for more admitted batches once it has some (a step takes one batch's worth
     of prompts)."""
+    demand: bool = True
+    """Gossip the trainer's demand (``roles/demand.py``, issue 38): inferers produce what it will take."""
     dist: DistInfo | None = None
     """Rank 0 of a torchrun group (``roles/trainer_ranks.py``): each step's batch reaches the other
     ranks inside ``session.train``, and ``close`` stops them. None: one process."""
@@ -171,13 +178,26 @@ class TrainerService:
         self.stages = StageTimes()
         self.started_at = 0.0
         self.first_step_at: float | None = None
+        self._first_train_at: float | None = None
         self.done = trio.Event()
         self._arrived = trio.Event()
         self._model_lock = trio.CapacityLimiter(1)
-        self._eval_running = False
+        self._eval_done: trio.Event | None = None
+        """Set when the held-out evaluation in flight ends (None: none is running)."""
         self.session: TrainingSession | None = None
         self.stopped_ranks = False
         """``close`` ended the session cleanly on every rank (the ranks may meet in a last barrier)."""
+        self.trained_by_policy: Counter[int] = Counter()
+        """Batches trained per policy step (the recent ones; the demand counts them as had)."""
+        self._admitting: Counter[int] = Counter()
+        self.step_ms = 0.0
+        self._last_step_at: float | None = None
+        self.train_after_first_s = 0.0
+        self.demand = (
+            DemandPublisher(key=key, run_id=self.config.run_id, current=self.demand_now)
+            if options.demand
+            else None
+        )
 
     # -- status --------------------------------------------------------------------------------------
 
@@ -212,12 +232,34 @@ class TrainerService:
             "stages": self.stages.summary(),
             "admission_stages": admission.get("stages", {}),
             "groups_unverified": admission.get("groups_unverified", 0),
+            "busy_share": self.busy_share(now),
+            "demand": self.demand.status() if self.demand is not None else None,
         }
+
+    def busy_share(self, now: float) -> float | None:
+        """Time in ``train`` / wall time since the first step began (start-up excluded), None before."""
+        if self._first_train_at is None or now <= self._first_train_at:
+            return None
+        return round(min(1.0, self.train_after_first_s / (now - self._first_train_at)), 3)
+
+    # -- demand (issue 38) ---------------------------------------------------------------------------
+
+    def demand_now(self) -> tuple[int, int, tuple[int, ...], int, int]:
+        """(step, floor, wanted, step_ms, fresh) for the demand publisher (``roles/demand.py``)."""
+        have = self.trained_by_policy + self.gatherer.by_policy() + self._admitting
+        queued_steps = self.gatherer.queued_steps() + sum(self._admitting.values())
+        floor, wanted, fresh = plan_demand(
+            step=self.step, async_level=self.config.async_level, have=have, queued_steps=queued_steps
+        )
+        return self.step, floor, wanted, round(self.step_ms), fresh
+
+    def _demand_changed(self) -> None:
+        if self.demand is not None:
+            self.demand.changed()
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        from prime_node.node.context import RecordPart
 
         trainer = RecordPart(role="trainer")
         context.add_record_source(lambda: trainer)  # peers see this node as the run's trainer
@@ -229,8 +271,10 @@ class TrainerService:
         policy = await trio.to_thread.run_sync(self._write_policy, self.step)
         await self._share(policy, self.step)
         context.add_status_section("training", self.status)
-        task_status.started()
         async with trio.open_nursery() as nursery:
+            if self.demand is not None:
+                await nursery.start(self.demand.run, context)
+            task_status.started()
             nursery.start_soon(self._intake)
             if self.evaluate:
                 self._start_eval(nursery, self.step)
@@ -263,6 +307,8 @@ class TrainerService:
             if self.step >= self.config.max_steps:
                 continue
             admitting = trio.current_time()
+            self._admitting[batch.policy_step] += 1  # had, for the demand, while it waits for the model
+            self._demand_changed()
             try:
                 prepared, frame = await trio.to_thread.run_sync(
                     self._prepare, batch, limiter=self._model_lock
@@ -272,6 +318,11 @@ class TrainerService:
                 self.rejected[exc.reason] += 1
                 log.info("trainer refused an accepted batch from %s: %s", worker, exc)
                 continue
+            finally:
+                self._admitting[batch.policy_step] -= 1
+                if self._admitting[batch.policy_step] <= 0:
+                    del self._admitting[batch.policy_step]
+                self._demand_changed()
             self.batches_accepted += 1
             if not self.gatherer.add(
                 Candidate(
@@ -286,7 +337,6 @@ class TrainerService:
             self._arrived.set()
 
     def _prepare(self, batch: RolloutBatch) -> tuple[Prepared, bytes]:
-        from protocol.codec import encode
 
         assert self.session is not None
         return self.session.admit(batch, current_step=self.step), encode(batch)
@@ -311,8 +361,13 @@ class TrainerService:
             t0 = trio.current_time()
             for item in queued:
                 self.stages.add("queue", t0 - item.accepted_at)
+            if self._first_train_at is None:
+                self._first_train_at = t0
+            for item in queued:
+                self.trained_by_policy[item.prepared.policy_step] += 1
             metrics = await trio.to_thread.run_sync(self._train, queued, limiter=self._model_lock)
             t1 = trio.current_time()
+            self.train_after_first_s += t1 - t0
             policy = await trio.to_thread.run_sync(self._write_policy, metrics.step)
             t2 = trio.current_time()
             self.step = metrics.step
@@ -327,12 +382,28 @@ class TrainerService:
             self.timing.share_s += t3 - t2
             self.stages.add("train", t1 - t0)
             self.stages.add("write_share", t3 - t1)
+            self._stepped(t3)
             if self.first_step_at is None:
                 self.first_step_at = t3
             if self.on_step is not None:
                 self.on_step(metrics)
             if self.evaluate and config.eval_every and self.step % config.eval_every == 0:
                 self._start_eval(nursery, self.step)
+
+    def _stepped(self, now: float) -> None:
+        """A step ended: its interval into ``step_ms``, old policies out of ``trained_by_policy``."""
+        if self._last_step_at is not None:
+            interval_ms = (now - self._last_step_at) * 1000
+            self.step_ms = (
+                interval_ms
+                if self.step_ms <= 0
+                else (1 - STEP_MS_WEIGHT) * self.step_ms + STEP_MS_WEIGHT * interval_ms
+            )
+        self._last_step_at = now
+        low = self.step - self.config.async_level
+        for policy in [p for p in self.trained_by_policy if p < low]:
+            del self.trained_by_policy[policy]
+        self._demand_changed()
 
     async def _fill(self) -> None:
         """Give a started step up to ``fill_wait_s`` to reach ``prompts_per_step`` groups."""
@@ -414,9 +485,9 @@ class TrainerService:
     # -- held-out evaluation -------------------------------------------------------------------------
 
     def _start_eval(self, nursery: trio.Nursery, step: int) -> None:
-        if self._eval_running or not self.config.eval_tasks:
+        if self._eval_done is not None or not self.config.eval_tasks:
             return
-        self._eval_running = True
+        self._eval_done = trio.Event()
         assert self.session is not None
         nursery.start_soon(self._eval, step, self.session.weights(step))
 
@@ -425,16 +496,18 @@ class TrainerService:
         try:
             accuracy = await trio.to_thread.run_sync(self._evaluate, weights)
         finally:
-            self._eval_running = False
+            done, self._eval_done = self._eval_done, None
+            if done is not None:
+                done.set()
         self.timing.eval_s += trio.current_time() - t0
         self.held_out.append([step, round(accuracy, 4)])
         log.info("step %d: held-out greedy accuracy %.3f", step, accuracy)
 
     async def _final_eval(self) -> None:
-        while self._eval_running:
-            await trio.sleep(0.05)
+        if self._eval_done is not None:
+            await self._eval_done.wait()
         if not self.held_out or self.held_out[-1][0] != self.step:
-            self._eval_running = True
+            self._eval_done = trio.Event()
             assert self.session is not None
             await self._eval(self.step, self.session.weights(self.step))
 

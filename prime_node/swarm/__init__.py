@@ -1,2 +1,2 @@
-"""The weight swarm's I/O side that needs no network: checkpoint directories as pieces, the signed
-manifest, the verified and resumable piece store, atomic output, retention."""
+"""The weight swarm's I/O side: checkpoint directories as pieces, the signed manifest, the verified and
+resumable piece store, and the node service that shares, fetches, re-serves and drops versions."""

@@ -22,7 +22,7 @@ from blake3 import blake3
 from crypto.keys import WalletKey
 from prime_node.atomic_files import node_error_from_os
 from prime_node.errors import NodeError
-from prime_node.swarm.checkpoint import SharedCheckpoint, choose_piece_size, iter_pieces
+from prime_node.swarm.checkpoint_pieces import SharedCheckpoint, choose_piece_size, iter_pieces
 from prime_node.swarm.delta_codec import DeltaError, DeltaStats, apply_delta, encode_delta
 from protocol.errors import InvariantError
 from protocol.manifest import DELTA_FILE_NAME, Manifest, build_manifest, sign_manifest

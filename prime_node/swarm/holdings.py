@@ -24,8 +24,8 @@ from prime_node.swarm.transfer import CheckpointTransfer, ClosePeer, OriginDirec
 from prime_node.swarm.versions import Version
 from protocol.envelope import Envelope
 from protocol.manifest import Manifest
-from protocol.swarm.node import SwarmConfig
 from protocol.swarm.spread import SpreadMemory
+from protocol.swarm.swarm_node import SwarmConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ import trio
 
 from crypto.identity import address_from_peer_id
 from crypto.keys import Address
+from prime_node.dataplane.dialer import dial_host
 from prime_node.node.context import NodeContext
 from prime_node.swarm.transport import DataPlane
 
@@ -59,17 +60,3 @@ def upgrade_fallback_links(dataplane: DataPlane, node: NodeContext) -> None:
         link = dataplane.links.get(record.address)
         if link is not None and link.fallback and record.dataplane_port:
             dataplane.upgrade(record.address, dial_host(record.multiaddrs), record.dataplane_port)
-
-
-def dial_host(multiaddrs: tuple[str, ...]) -> str | None:
-    """The first usable IPv4/IPv6/DNS host among a peer's direct multiaddrs (a relayed one names the
-    relay's host, where the peer's data plane is not)."""
-    for multiaddr in multiaddrs:
-        if "/p2p-circuit" in multiaddr:
-            continue
-        parts = multiaddr.split("/")
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6"):
-            host = parts[2]
-            if host not in ("0.0.0.0", "::"):
-                return host
-    return None

@@ -49,14 +49,14 @@ from prime_node.errors import NodeError
 from prime_node.node.clock import NodeClock
 from prime_node.node.context import NodeContext, RecordPart
 from prime_node.node.gossip import Delivered
-from prime_node.swarm.checkpoint import SharedCheckpoint, build_checkpoint
+from prime_node.swarm.checkpoint_pieces import SharedCheckpoint, build_checkpoint
 from prime_node.swarm.delta_chain import DeltaChain
 from prime_node.swarm.delta_versions import Published, encode_delta_version
-from prime_node.swarm.exchange import VersionExchange
 from prime_node.swarm.holdings import Holdings
 from prime_node.swarm.neighbours import MAX_NEIGHBOURS, keep_neighbours
 from prime_node.swarm.store_layout import StoreLayout
 from prime_node.swarm.transfer import OriginDirectory
+from prime_node.swarm.version_exchange import ExchangeHooks, VersionExchange
 from prime_node.swarm.versions import Version, open_known
 from protocol.codec import decode, encode
 from protocol.envelope import Envelope
@@ -94,6 +94,22 @@ class _DeltaJob:
     """``publish`` stopped waiting and announced the full version: the job announces the delta itself."""
 
 
+@dataclass(frozen=True)
+class SwarmSettings:
+    """How a node takes part in the weight swarm: where its data plane listens, how many complete
+    versions it keeps (``keep``), whether it follows the trainer's new versions (``follow``) and serves
+    pieces to others (``upload``), at most how many data-plane neighbours it holds, and the seed of its
+    random choices (tests)."""
+
+    dataplane_host: str = "0.0.0.0"
+    dataplane_port: int = 0
+    keep: int = 2
+    follow: bool = True
+    upload: bool = True
+    max_neighbours: int = MAX_NEIGHBOURS
+    seed: int | None = None
+
+
 class SwarmService:
     """See the module doc. Start it as a node service; the public API is ``share``, ``publish``,
     ``fetch``, ``locate``, ``newest``, ``wait_newer``, ``wait_changed``, ``progress`` and ``status``."""
@@ -105,15 +121,17 @@ class SwarmService:
         run_id: str,
         trainer: Address | None,
         store_dir: Path,
-        dataplane_host: str = "0.0.0.0",
-        dataplane_port: int = 0,
-        keep: int = 2,
-        follow: bool = True,
-        upload: bool = True,
-        max_neighbours: int = MAX_NEIGHBOURS,
-        seed: int | None = None,
+        settings: SwarmSettings | None = None,
         transport: StreamTransport = TCP,
     ) -> None:
+        settings = settings or SwarmSettings()
+        dataplane_host, dataplane_port, keep = settings.dataplane_host, settings.dataplane_port, settings.keep
+        follow, upload, max_neighbours, seed = (
+            settings.follow,
+            settings.upload,
+            settings.max_neighbours,
+            settings.seed,
+        )
         if keep < 1:
             raise NodeError("keep must be at least 1", reason="bad_config")
         self.key = key
@@ -145,9 +163,7 @@ class SwarmService:
             self.holdings,
             now=self._now,
             trainer=lambda: self.trainer,
-            on_follow=self._start_following,
-            on_drop=self._on_drop,
-            on_offence=self._offence,
+            hooks=ExchangeHooks(follow=self._start_following, drop=self._on_drop, offence=self._offence),
             transport=transport,
         )
         self.dataplane = self.exchange.dataplane

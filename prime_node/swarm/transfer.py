@@ -16,21 +16,22 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Protocol
 
-from prime_node.swarm.checkpoint import read_piece_from_files
+from prime_node.swarm.checkpoint_pieces import read_piece_from_files
 from protocol.codec import Message, decode_any, encode
-from protocol.dataplane import (
-    DigestedFrame,
-    Frame,
+from protocol.dataplane import DigestedFrame, Frame
+from protocol.errors import RemoteProtocolError
+from protocol.manifest import Manifest
+from protocol.piece_frames import (
     decode_digested_piece,
     decode_indexed,
     decode_piece,
     encode_indexed,
     piece_frame,
 )
-from protocol.errors import RemoteProtocolError
-from protocol.manifest import Manifest
 from protocol.swarm.messages import Cancel, Have, Piece, Reject, Request
-from protocol.swarm.node import (
+from protocol.swarm.pieceset import full_set
+from protocol.swarm.spread import SpreadMemory
+from protocol.swarm.swarm_node import (
     Action,
     Completed,
     Disconnect,
@@ -40,8 +41,6 @@ from protocol.swarm.node import (
     Upload,
     Verify,
 )
-from protocol.swarm.pieceset import full_set
-from protocol.swarm.spread import SpreadMemory
 
 log = logging.getLogger(__name__)
 

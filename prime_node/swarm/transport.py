@@ -45,10 +45,9 @@ from prime_node.dataplane.channel import (
     DEFAULT_DEADLINES,
     AuthenticatedChannel,
     ChannelError,
-    accept_channel,
-    open_listeners,
 )
-from prime_node.dataplane.dialer import ChannelDialer, DialTarget
+from prime_node.dataplane.connect import accept_channel, open_listeners
+from prime_node.dataplane.dialer import ChannelDialer, ChannelSettings, DialTarget
 from prime_node.dataplane.libp2p_stream import FallbackServer, P2PStream, RouteStats, fallback_protocol
 from prime_node.dataplane.route_memo import RouteMemo
 from prime_node.dataplane.streams import TCP, StreamTransport
@@ -90,10 +89,19 @@ class Link:
     alive: bool = True
 
 
+@dataclass(frozen=True)
+class DataPlaneSettings:
+    """``max_inbound``: channels accepted at once; ``deadlines``: how long a frame may stall in either
+    direction; ``relayed_fallback``: the libp2p fallback may use relayed connections."""
+
+    max_inbound: int = DEFAULT_MAX_INBOUND
+    deadlines: FrameDeadlines = DEFAULT_DEADLINES
+    relayed_fallback: bool = False
+
+
 class DataPlane:
     """Channels to neighbours (see the module doc). ``run`` listens; ``dial`` opens one more.
-    ``budget`` bounds the memory of all its channels together; ``deadlines`` bound how long a frame may
-    stall in either direction; ``relayed_fallback``: the fallback may use relayed libp2p connections."""
+    ``budget`` bounds the memory of all its channels together."""
 
     def __init__(
         self,
@@ -102,18 +110,18 @@ class DataPlane:
         on_up: Callable[[Address], None],
         on_frame: Callable[[Address, Frame], None],
         on_down: Callable[[Address], None],
-        max_inbound: int = DEFAULT_MAX_INBOUND,
         transport: StreamTransport = TCP,
         budget: MemoryBudget | None = None,
-        deadlines: FrameDeadlines = DEFAULT_DEADLINES,
-        relayed_fallback: bool = False,
+        settings: DataPlaneSettings | None = None,
     ) -> None:
+        settings = settings or DataPlaneSettings()
+        deadlines, relayed_fallback = settings.deadlines, settings.relayed_fallback
         self.key = key
         self.transport = transport
         self.on_up = on_up
         self.on_frame = on_frame
         self.on_down = on_down
-        self.max_inbound = max_inbound
+        self.max_inbound = settings.max_inbound
         self.budget = budget or MemoryBudget()
         self.deadlines = deadlines
         self.links: dict[Address, Link] = {}
@@ -129,11 +137,10 @@ class DataPlane:
         self.traffic = PeerTraffic()
         self.dialer = ChannelDialer(
             key,
-            transport=transport,
             budget=self.budget,
-            deadlines=deadlines,
+            settings=ChannelSettings(deadlines=deadlines, relayed=relayed_fallback),
+            transport=transport,
             stats=self.stats,
-            relayed=relayed_fallback,
         )
         self._fallback = FallbackServer(
             fallback_protocol(DEFAULT_CONTEXT), self._accept_fallback, self.stats, relayed=relayed_fallback

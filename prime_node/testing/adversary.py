@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from prime_node.ml.engines import setup_engine
+from prime_node.ml.model import create_tiny_model
 from prime_node.tasks.arithmetic import ArithmeticTask
 from prime_node.verification.cheating import Scenario
+from prime_node.verification.proving import rollout_domain
+from prime_node.verification.validator import BatchValidator
+from protocol.envelope import EnvelopeVerifier
 
 
 def build_scenario(
@@ -18,8 +23,6 @@ def build_scenario(
 ) -> Scenario:
     """A scenario on a fresh tiny model (0.12M parameters) and 2-digit addition."""
     from prime_node.config import RunConfig
-    from prime_node.ml.engines import setup_engine
-    from prime_node.ml.model import create_tiny_model
 
     model, tokenizer = create_tiny_model(model_seed)
     config = RunConfig(
@@ -38,9 +41,6 @@ def build_scenario(
 
 def validator_for(scenario: Scenario) -> Any:
     """A BatchValidator holding the scenario's policies, with its own replay cache."""
-    from prime_node.verification.proving import rollout_domain
-    from prime_node.verification.validator import BatchValidator
-    from protocol.envelope import EnvelopeVerifier
 
     return BatchValidator(
         scenario.config,

@@ -9,7 +9,8 @@ import os
 import trio
 
 from crypto.keys import Address, WalletKey
-from prime_node.dataplane.channel import ChannelError, open_channel
+from prime_node.dataplane.channel import ChannelError
+from prime_node.dataplane.connect import open_channel
 from protocol.codec import encode
 from protocol.swarm.messages import Offer
 

@@ -14,13 +14,17 @@ with different secret keys cover different groups, and a group no trusted valida
 scored (a code task would execute it) nor trained on. An accepting quorum that verified no group hands
 out nothing (``counts["nothing_verified"]``).
 
-A batch too big for gossip arrives as a ``RolloutAnnouncement`` (protocol/rollout_transfer.py): the
-offer is kept (bounded like the frames; refused if it is not its worker's, not of this run, or over the
-run's ``max_rollout_batch_bytes``) and its bytes are fetched over the data plane only once an accepting
-quorum is in, usually from the validators that judged it (they re-announce what they hold), so the
-trainer downloads nothing a validator rejected, and at most ``fetch_ahead`` of them are fetched or
-ready but not yet taken by ``next_accepted``. The fetched frame is checked against the id, decoded and
-settled like a gossiped one; the trainer then re-serves it from its ``BatchTransfer``.
+Its intake is the shared ``RolloutInbox`` (inbox.py), with the validator's screening, fetch bounds,
+defences and charging rule: a gossiped frame is screened on arrival (signature, signer = sender, run,
+freshness; a claimed step too far ahead too, given ``newest_step``) and its sender charged if it fails.
+A batch too big for gossip arrives as a ``RolloutAnnouncement``: the offer is kept (refused as on the
+validator; bounded per worker and in all) and its bytes are fetched over the data plane only once an
+accepting quorum is in, usually from the validators that judged it (they re-announce what they hold),
+so the trainer downloads nothing a validator rejected; at most ``fetch_ahead`` of them are fetched or
+ready but not yet taken by ``next_accepted``, newest policy step first, within each worker's share of
+pending fetches. The fetched frame is checked against the id, decoded and settled like a gossiped one;
+the trainer then re-serves it from its ``BatchTransfer``. A frame that passes screening but does not
+decode is charged to its (proven) author.
 
 It also does the reputation work on the trainer node (rejections charge the worker's peer), so the
 trainer needs no separate ``ReputationService``.
@@ -28,33 +32,33 @@ trainer needs no separate ``ReputationService``.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from crypto.digests import blake3
 from crypto.keys import Address
 from prime_node.errors import NodeError
-from prime_node.node.stage_times import StageTimes
 from prime_node.verification.admission import VerdictBook
-from prime_node.verification.batch_transfer import BatchTransfer, ban_peer
+from prime_node.verification.batch_transfer import BatchTransfer
+from prime_node.verification.inbox import (
+    INTAKE_COUNTS,
+    Arrival,
+    InboxSettings,
+    IntakeHooks,
+    RolloutInbox,
+    StepBound,
+)
+from prime_node.verification.reasons import BELOW_FLOOR
 from prime_node.verification.reputation import ReputationService
-from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
-from prime_node.verification.validator import ROLLOUT_KIND
+from prime_node.verification.topics import VERDICTS_TOPIC
 from protocol.codec import decode
 from protocol.envelope import Envelope
-from protocol.errors import ProtocolError, RemoteProtocolError
-from protocol.rollout_transfer import (
-    Holder,
-    RolloutAnnouncement,
-    check_frame_start,
-    read_announcement,
-    screen_announcement,
-)
+from protocol.errors import ProtocolError
+from protocol.rollout_screen import MALFORMED_BATCH
 from protocol.rollouts import RolloutBatch
 from protocol.verdict import Verdict
 
@@ -97,6 +101,8 @@ class AdmissionService:
         penalise: bool = True,
         transfer: BatchTransfer | None = None,
         fetch_ahead: int = 4,
+        newest_step: Callable[[], int] | None = None,
+        hooks: IntakeHooks | None = None,
     ) -> None:
         if not run_config.trusted_validators:
             raise NodeError(
@@ -113,8 +119,23 @@ class AdmissionService:
         self.capacity = capacity
         self.penalise = penalise
         self.reputation = ReputationService(run_config=run_config)  # attached, fed from _on_verdict
+        self.inbox = RolloutInbox(
+            run_config=run_config,
+            intake=self,
+            settings=InboxSettings(
+                fetch_on_arrival=False,
+                reannounce=False,
+                max_offers=capacity,
+                delivery_stage="rollout_delivery",
+            ),
+            reputation=self.reputation,
+            transfer=transfer,
+            # The trainer's own step is authoritative: a claim past it is no honest worker's.
+            steps=StepBound(newest_step) if newest_step is not None else None,
+            hooks=hooks,
+        )
         self.book = VerdictBook(quorum=run_config.verdict_quorum, capacity=16 * capacity)
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = self.inbox.counts
         self.rejected_by_reason: Counter[str] = Counter()
         self.accepted_by_worker: Counter[str] = Counter()
         self._frames: OrderedDict[bytes, RolloutBatch] = OrderedDict()
@@ -125,25 +146,19 @@ class AdmissionService:
         self._ready: deque[AcceptedBatch] = deque()
         self._wakeup = trio.Event()
         self._arrived_at: dict[bytes, float] = {}
-        self.stages = StageTimes()
-        self.transfer = transfer
-        """Fetches announced batches once accepted (None: one of its own, built when it runs)."""
-        self._offers: OrderedDict[bytes, tuple[RolloutAnnouncement, Delivered]] = OrderedDict()
-        self._fetching: set[bytes] = set()
-        self._to_fetch: OrderedDict[bytes, None] = OrderedDict()  # admitted offers waiting for room
+        self.stages = self.inbox.stages
         self._context: NodeContext | None = None
-        self._nursery: trio.Nursery | None = None
+
+    @property
+    def transfer(self) -> BatchTransfer | None:
+        """Fetches announced batches once accepted (the inbox's; built when it runs if not given)."""
+        return self.inbox.transfer
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self._context = context
         self.reputation.attach(context)
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            if self.transfer is None:
-                self.transfer = BatchTransfer.for_node(context, context.key, on_bad_bytes=self._bad_bytes)
-            if not self.transfer.running:
-                await nursery.start(self.transfer.run)
-            await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
+            await nursery.start(self.inbox.run, context)
             await context.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
             task_status.started()
 
@@ -153,10 +168,11 @@ class AdmissionService:
             self._wakeup = trio.Event()
             await self._wakeup.wait()
         accepted = self._ready.popleft()
-        self._pump()
+        self.inbox.pump()
         return accepted
 
     def stats(self) -> dict[str, Any]:
+        inbox = self.inbox
         return {
             "accepted": self.counts["accepted"],
             "rejected": dict(self.rejected_by_reason),
@@ -168,105 +184,26 @@ class AdmissionService:
             "nothing_verified": self.counts["nothing_verified"],
             "untrusted_verdicts": self.reputation.counts["verdicts_ignored_untrusted_validator"],
             "stages": self.stages.summary(),
-            "offers": len(self._offers),
-            "fetching": len(self._fetching),
-            "waiting_to_fetch": len(self._to_fetch),
+            **{key: self.counts[key] for key in INTAKE_COUNTS},
+            "refused_reasons": dict(inbox.refused),
+            "offers": inbox.offers_kept,
+            "fetching": inbox.fetches_pending,
+            "waiting_to_fetch": len(inbox.wanted),
             "transfer": self.transfer.status() if self.transfer is not None else {},
         }
 
-    # -- handlers ---------------------------------------------------------------------------------------
+    # -- the inbox's intake (inbox.Intake) --------------------------------------------------------------
 
-    async def _on_rollout(self, message: Delivered) -> None:
-        if self.reputation.worker_banned(message.origin):
-            self.counts["dropped_banned"] += 1
-            return
-        announcement = read_announcement(message.payload)
-        if announcement is not None:
-            self._on_batch_announcement(message, announcement)
-            return
-        self._take_frame(message.payload, message)
-
-    def _on_batch_announcement(self, message: Delivered, announcement: RolloutAnnouncement) -> None:
-        """Keep a valid offer (and every holder heard) until a quorum makes the batch worth fetching."""
-        assert self.transfer is not None
-        batch_id = announcement.batch_id
-        if not self.transfer.heard(announcement, message.origin, message.origin_peer_id):
-            return  # a re-server (now a known holder), or an offer heard before
-        if batch_id in self._settled or batch_id in self._frames:
-            return
+    def arrived(self, arrival: Arrival) -> bool:
+        """A screened frame (or one an accepting quorum named): decode it, then settle."""
+        batch_id = arrival.batch_id
         try:
-            screen_announcement(
-                announcement,
-                origin=message.origin,
-                run_id=self.run_config.run_id,
-                max_size=self.run_config.max_rollout_batch_bytes,
-            )
-        except RemoteProtocolError as exc:
-            self.counts["refused_announcements"] += 1
-            log.info("refused a rollout announcement from %s: %s", message.origin, exc)
-            return
-        self.reputation.learn(message.origin, message.origin_peer_id)
-        self._offers[batch_id] = (announcement, message)
-        self._arrived_at[batch_id] = trio.current_time()
-        while len(self._offers) > self.capacity:
-            forgotten, _ = self._offers.popitem(last=False)
-            self._arrived_at.pop(forgotten, None)
-            self._to_fetch.pop(forgotten, None)
-            self.transfer.book.forget(forgotten)
-            self.counts["dropped_frames"] += 1
-        self._settle(batch_id)
-
-    async def _fetch(self, announcement: RolloutAnnouncement, message: Delivered) -> None:
-        assert self.transfer is not None
-        batch_id = announcement.batch_id
-        frame: bytes | None = None
-        try:
-            fetching = trio.current_time()
-            check = functools.partial(check_frame_start, announcement, kind=ROLLOUT_KIND)
-            frame = await self.transfer.fetch(batch_id, announcement.size, check_start=check)
-            self.stages.add("fetch", trio.current_time() - fetching)
-        finally:
-            self._fetching.discard(batch_id)
-            self._offers.pop(batch_id, None)
-            if frame is None:
-                self.counts["fetch_failed"] += 1
-                self._arrived_at.pop(batch_id, None)
-            else:
-                self._take_frame(frame, message, announced=announcement)
-            self._pump()
-
-    def _bad_bytes(self, holder: Holder, reason: str) -> None:
-        """A peer sent bytes that are not the batch it was asked for: banned (from the transfer's data plane
-        already; here on the node's peer scores, protocol/scoring.py)."""
-        self.counts["bad_bytes"] += 1
-        if self._context is not None:
-            ban_peer(self._context.policy, holder.peer_id, f"rollout batch bytes: {reason}")
-
-    def _take_frame(
-        self, frame: bytes, message: Delivered, *, announced: RolloutAnnouncement | None = None
-    ) -> None:
-        """A whole frame, gossiped or fetched (already checked against its id): decode it, then settle."""
-        batch_id = blake3(frame) if announced is None else announced.batch_id
-        if batch_id in self._settled or batch_id in self._frames:
-            return
-        try:
-            envelope = decode(frame, Envelope)
-            batch = decode(envelope.payload, RolloutBatch)
-        except ProtocolError as exc:
+            batch = decode(decode(arrival.frame, Envelope).payload, RolloutBatch)
+        except ProtocolError as exc:  # screened: the envelope is its sender's own
             self.counts["malformed_frames"] += 1
-            log.info("unreadable rollout frame from %s: %s", message.origin, exc)
-            return
-        if envelope.signer != batch.worker or batch.run_id != self.run_config.run_id:
-            self.counts["malformed_frames"] += 1
-            return
-        if announced is not None and (batch.worker, batch.policy_step) != (
-            announced.worker,
-            announced.policy_step,
-        ):
-            self.counts["malformed_frames"] += 1
-            return
-        self.reputation.learn(message.origin, message.origin_peer_id)
-        self._delivered("rollout_delivery", message)
+            log.info("unreadable rollout frame from %s: %s", arrival.origin, exc)
+            self.inbox.charge(arrival.origin_peer_id, MALFORMED_BATCH)
+            return False
         self._frames[batch_id] = batch
         self._arrived_at.setdefault(batch_id, trio.current_time())
         while len(self._frames) > self.capacity:
@@ -274,6 +211,23 @@ class AdmissionService:
             self._verified.pop(forgotten, None)
             self._arrived_at.pop(forgotten, None)
             self.counts["dropped_frames"] += 1
+        self._settle(batch_id)
+        return False  # bounded by ``capacity`` (gossiped frames) and ``fetch_ahead`` (fetched ones)
+
+    def refused(self, batch_id: bytes, reason: str) -> None:
+        if reason == BELOW_FLOOR:  # the trainer no longer wants it: never handed out
+            self.rejected_by_reason[reason] += 1
+            self._frames.pop(batch_id, None)
+            self._mark(batch_id, handed_out=False)
+
+    def known(self, batch_id: bytes) -> bool:
+        return batch_id in self._settled or batch_id in self._frames
+
+    def room(self, fetching: int) -> bool:
+        return fetching + len(self._ready) < self.fetch_ahead
+
+    def offered(self, batch_id: bytes) -> None:
+        self._arrived_at.setdefault(batch_id, trio.current_time())
         self._settle(batch_id)
 
     async def _on_verdict(self, message: Delivered) -> None:
@@ -297,9 +251,7 @@ class AdmissionService:
         if self.book.rejected(batch_id):
             self._mark(batch_id, handed_out=False)
             self._frames.pop(batch_id, None)
-            self._to_fetch.pop(batch_id, None)
-            if self._offers.pop(batch_id, None) is not None and self.transfer is not None:
-                self.transfer.book.forget(batch_id)
+            self.inbox.forget(batch_id)
             self._verified.pop(batch_id, None)
             self._arrived_at.pop(batch_id, None)
             self.counts["rejected"] += 1
@@ -308,8 +260,8 @@ class AdmissionService:
                 self.rejected_by_reason[reason] += 1
             return
         batch = self._frames.get(batch_id)
-        if batch is None and batch_id in self._offers and self.book.admitted(batch_id):
-            self._start_fetch(batch_id)
+        if batch is None and self.book.admitted(batch_id):
+            self.inbox.want(batch_id)  # an offer kept: fetch it now (or once there is room)
         if batch is None or not self.book.admitted(batch_id):
             return
         del self._frames[batch_id]
@@ -341,24 +293,6 @@ class AdmissionService:
             self._ready.popleft()
             self.counts["dropped_ready"] += 1
         self._wakeup.set()
-
-    def _start_fetch(self, batch_id: bytes) -> None:
-        if batch_id in self._fetching or self._nursery is None:
-            return
-        if len(self._fetching) + len(self._ready) >= self.fetch_ahead:
-            self._to_fetch[batch_id] = None  # ``_pump`` starts it once the trainer has taken some
-            return
-        self._to_fetch.pop(batch_id, None)
-        self._fetching.add(batch_id)
-        announcement, message = self._offers[batch_id]
-        self._nursery.start_soon(self._fetch, announcement, message)
-
-    def _pump(self) -> None:
-        """Start waiting fetches while there is room (``fetch_ahead``)."""
-        while self._to_fetch and len(self._fetching) + len(self._ready) < self.fetch_ahead:
-            batch_id, _ = self._to_fetch.popitem(last=False)
-            if batch_id in self._offers and batch_id not in self._settled:
-                self._start_fetch(batch_id)
 
     def _record_verified(self, verdict: Verdict) -> None:
         """Add an accepting verdict's verified groups (with its rewards, when they line up) to its batch's."""

@@ -47,17 +47,12 @@ import trio
 
 from crypto.keys import Address, WalletKey
 from prime_node.dataplane.budget import MemoryBudget
-from prime_node.dataplane.channel import (
-    AuthenticatedChannel,
-    ChannelError,
-    handle_connection,
-    serve_channels,
-)
-from prime_node.dataplane.dialer import ChannelDialer, DialTarget
+from prime_node.dataplane.channel import AuthenticatedChannel, ChannelError
+from prime_node.dataplane.connect import handle_connection, serve_channels
+from prime_node.dataplane.dialer import ChannelDialer, ChannelSettings, DialTarget, dial_host
 from prime_node.dataplane.libp2p_stream import FallbackServer, P2PStream, fallback_protocol
 from prime_node.dataplane.streams import TCP, StreamTransport
 from prime_node.p2p.interface import P2PHost
-from prime_node.swarm.neighbours import dial_host
 from prime_node.verification.fair_slots import FairSlots
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError, RemoteProtocolError
@@ -237,11 +232,9 @@ class BatchTransfer:
         relayed = self.settings.relayed_fallback
         self.dialer = ChannelDialer(
             key,
-            context=ROLLOUT_CONTEXT,
-            transport=transport,
             budget=self.budget,
-            max_frame=MAX_CHANNEL_FRAME,
-            relayed=relayed,
+            settings=ChannelSettings(context=ROLLOUT_CONTEXT, max_frame=MAX_CHANNEL_FRAME, relayed=relayed),
+            transport=transport,
         )
         self.dialer.p2p = p2p
         self.stats = self.dialer.stats
@@ -412,7 +405,9 @@ class BatchTransfer:
                 if self.backing_off(holder.address) is not None or holder.address in self.banned:
                     tried.discard(holder.address)  # failed meanwhile: wait for its backoff, not a dial
                     continue
-                async with self._fetch_slots.hold(owner):
+                # Newest claimed policy first: an old batch is the one that goes stale (fair_slots.py).
+                priority = offer.policy_step if offer is not None else 0
+                async with self._fetch_slots.hold(owner, priority=priority):
                     frame, failure = await self._attempt(holder, batch_id, size, check_start)
             if limiter.borrowed_tokens == 0 and limiter.statistics().tasks_waiting == 0:
                 self._per_peer.pop(holder.address, None)

@@ -27,10 +27,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from crypto.keys import WalletKey
-from crypto.toploc import FIELD_PRIME, MIN_MODULUS, TOPK
+from crypto.toploc import TOPK
+from crypto.toploc_field import FIELD_PRIME, MIN_MODULUS
 from prime_node.errors import NodeError
+from prime_node.ml.engine import SamplingParams, prefill_logprobs
+from prime_node.ml.engines import setup_engine
+from prime_node.ml.evaluation import encode_prompt
+from prime_node.ml.model import create_tiny_model
+from prime_node.verification.proofs import build_proofs
+from prime_node.verification.proving import proven_batch, seal_batch
 from prime_node.verification.reasons import Reason
-from protocol.codec import encode
+from protocol.codec import decode, encode
 from protocol.envelope import Envelope
 from protocol.rollouts import RolloutBatch, RolloutSample, pack_logprobs, pack_tokens
 
@@ -74,8 +81,6 @@ def with_completions(
     """``samples`` with their completions replaced by ``completions`` (finished), and the log-probs and
     TOPLOC proofs recomputed on ``engine`` to match: a forgery every check but the replay and the reward
     accepts."""
-    from prime_node.ml.engine import prefill_logprobs
-    from prime_node.verification.proofs import build_proofs
 
     prompts = [list(sample.prompt_tokens()) for sample in samples]
     prefills = engine.prefill(prompts, completions)
@@ -117,7 +122,6 @@ class Scenario:
         return self.engine if low <= step <= self.current_step else None
 
     def batch(self, counter: int, *, engine: Any = None, policy_step: int | None = None) -> RolloutBatch:
-        from prime_node.verification.proving import proven_batch
 
         return proven_batch(
             engine or self.engine,
@@ -130,7 +134,6 @@ class Scenario:
         )
 
     def seal(self, batch: RolloutBatch) -> bytes:
-        from prime_node.verification.proving import seal_batch
 
         return encode(seal_batch(self.key, batch, now_ms=self.now_ms))
 
@@ -191,9 +194,6 @@ class Scenario:
 
     def _off_schedule(self, counter: int) -> list[bytes]:
         """A batch of hand-picked tasks (the easiest first ids of the pool) instead of the drawn ones."""
-        from prime_node.ml.engine import SamplingParams
-        from prime_node.ml.evaluation import encode_prompt
-        from prime_node.verification.proofs import build_proofs
 
         batch = self.batch(counter)
         pool = self.task.train_ids()
@@ -222,7 +222,6 @@ class Scenario:
 
     def _inflated_reward(self, counter: int) -> list[bytes]:
         """Correct answers written in, with log-probs and TOPLOC proofs recomputed to match them."""
-        from prime_node.ml.evaluation import encode_prompt
 
         batch = self.batch(counter)
         eos = self.tokenizer.eos_token_id
@@ -235,7 +234,6 @@ class Scenario:
         return [self.seal(replace(batch, samples=tuple(samples)))]
 
     def _bad_signature(self, counter: int) -> list[bytes]:
-        from protocol.codec import decode
 
         envelope = decode(self.seal(self.batch(counter)), Envelope)
         signature = bytearray(envelope.signature)
@@ -245,9 +243,6 @@ class Scenario:
     def _cheat_engine(self, kind: str) -> Any:
         if kind not in self._cheat_engines:
             import torch
-
-            from prime_node.ml.engines import setup_engine
-            from prime_node.ml.model import create_tiny_model
 
             if kind == "other_model":
                 model, _ = create_tiny_model(seed=1)

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from crypto import toploc
-from crypto.toploc import ChunkCheck, PointSet, Thresholds
+from crypto import toploc, toploc_topk
+from crypto.toploc import ChunkCheck, Thresholds
+from crypto.toploc_topk import PointSet
 
 if TYPE_CHECKING:
     import torch
@@ -83,13 +84,13 @@ def _chunk_blocks(hiddens: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], li
     return blocks, chunk_counts
 
 
-_BF16_NAN_BITS = 0x7FC0  # crypto.toploc.bf16_round's one NaN pattern
+_BF16_NAN_BITS = 0x7FC0  # crypto.toploc_topk.bf16_round's one NaN pattern
 _DEVICE_BLOCK_ENTRIES = 1 << 24  # entries ranked at once on the device: bounds the int64 keys to 128 MiB
 
 
 def device_points(hiddens: Sequence[torch.Tensor]) -> PointSet:
     """The committed points of every chunk, chosen with torch on the tensors' own device: the same
-    ``PointSet`` as ``crypto.toploc.select_points`` of ``_chunk_blocks`` (tested), but only k indices and
+    ``PointSet`` as ``crypto.toploc_topk.select_points`` of ``_chunk_blocks`` (tested), but only k indices and
     bit patterns per chunk are copied to the host, once for the whole batch."""
     import torch
 
@@ -131,7 +132,7 @@ def device_points(hiddens: Sequence[torch.Tensor]) -> PointSet:
 
 def _device_bf16_bits(hidden: torch.Tensor) -> torch.Tensor:
     """int64 [n, hidden] holding the bf16 bit patterns (0..65535) of ``hidden``, on its device: torch's
-    round to nearest even, and every NaN as ``crypto.toploc.bf16_round`` writes it."""
+    round to nearest even, and every NaN as ``crypto.toploc_topk.bf16_round`` writes it."""
     import torch
 
     as_bf16 = hidden if hidden.dtype == torch.bfloat16 else hidden.to(torch.bfloat16)
@@ -146,7 +147,7 @@ def select_points(hiddens: Sequence[torch.Tensor]) -> PointSet:
     if any(hidden.device.type != "cpu" for hidden in hiddens):
         return device_points(hiddens)
     blocks, _ = _chunk_blocks(hiddens)
-    return toploc.select_points(blocks)
+    return toploc_topk.select_points(blocks, toploc.TOPK)
 
 
 def _chunk_counts(hiddens: Sequence[torch.Tensor]) -> list[int]:

@@ -44,3 +44,11 @@ class Reason(StrEnum):
     TOPLOC_MANTISSA_MEDIAN = "toploc_mantissa_median"
     SAMPLING_MISMATCH = "sampling_mismatch"
     LOGPROB_MISMATCH = "logprob_mismatch"
+
+
+BELOW_FLOOR = "below_floor"
+"""Not a verdict reason (no verdict ever carries it): a batch whose policy step is below the lowest the
+trainer still accepts (its signed demand) is dropped on arrival, before it is fetched or judged, and its
+worker is not charged: it was honest, only late. Kept apart from ``stale_policy`` (a judged batch older
+than ``async_level``) and the trainer's ``stale_in_queue``, because the cure differs: a worker that keeps
+producing below the floor should follow the trainer's demand."""

@@ -38,7 +38,11 @@ import numpy as np
 from crypto.digests import blake3
 from crypto.errors import CryptoError
 from crypto.toploc import Thresholds, decode_proofs, split_proofs
+from prime_node.ml.engine import prefill_replay
 from prime_node.ml.engines import run_calibration
+from prime_node.ml.evaluation import encode_prompt
+from prime_node.ml.oom_retry import prefill_in_chunks
+from prime_node.verification.proofs import check_proofs
 from prime_node.verification.reasons import Reason
 from protocol import schedule
 from protocol.codec import decode
@@ -292,7 +296,6 @@ class BatchValidator:
 
     def _prompt(self, task_id: int) -> list[int]:
         """The task's encoded prompt, cached (least recently used dropped beyond ``PROMPT_CACHE``)."""
-        from prime_node.ml.evaluation import encode_prompt
 
         cached = self._prompts.get(task_id)
         if cached is None:
@@ -359,10 +362,6 @@ class BatchValidator:
         """One prefill of the samples of ``groups``; then the TOPLOC check per sample and the sampling
         replay and log-prob comparison on all checked tokens at once (one pass each, not one per sample)."""
         import torch
-
-        from prime_node.ml.engine import prefill_replay
-        from prime_node.ml.oom_retry import prefill_in_chunks
-        from prime_node.verification.proofs import check_proofs
 
         numbers = [g * batch.group_size + j for g in groups for j in range(batch.group_size)]
         samples = [batch.samples[n] for n in numbers]

@@ -1,9 +1,9 @@
 """Which checkpoint versions a node keeps: the newest ``keep`` steps (``keep = async_level + 1``).
 
 Inferers may run on a policy up to ``async_level`` steps old, so exactly those versions must stay
-servable; anything older is dead weight on disk and in the swarm. One rule, used by the swarm's
-catalogue (protocol/swarm/catalogue.py) for the versions a running node holds and by
-prime_node/swarm/retention.py for a piece store root on disk.
+servable; anything older is dead weight on disk and in the swarm. The swarm's catalogue
+(protocol/swarm/catalogue.py) applies it to the versions a running node holds, and the swarm service
+deletes what it drops.
 
 With deltas (``retained_with_deltas``): the newest ``keep`` FULL steps are kept; a delta whose target is
 kept stays too (so peers holding its base can take the cheap path from us); a delta whose target is not
@@ -14,18 +14,9 @@ kept (nothing will need it).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from protocol.errors import LocalProtocolError
-
-
-class Stepped(Protocol):
-    @property
-    def step(self) -> int: ...
-
-
-V = TypeVar("V", bound=Stepped)
 
 
 class Linked(Protocol):
@@ -46,34 +37,6 @@ class Linked(Protocol):
 L = TypeVar("L", bound=Linked)
 
 
-@dataclass(frozen=True, order=True)
-class HeldVersion:
-    run: str
-    step: int
-    manifest_id: bytes
-    base: bytes = b""
-    target: bytes = b""
-
-    @property
-    def complete(self) -> bool:
-        return True
-
-
-def keep_count(async_level: int) -> int:
-    if async_level < 0:
-        raise LocalProtocolError("async level cannot be negative", reason="bad_async_level")
-    return async_level + 1
-
-
-def beyond_newest(versions: Iterable[V], *, keep: int) -> list[V]:
-    """The versions whose step is not among the newest ``keep`` distinct steps (in the given order)."""
-    if keep < 1:
-        raise LocalProtocolError("keep must be at least 1", reason="bad_keep")
-    versions = list(versions)
-    kept_steps = set(sorted({v.step for v in versions}, reverse=True)[:keep])
-    return [v for v in versions if v.step not in kept_steps]
-
-
 def retained_with_deltas(versions: Iterable[L], *, keep: int) -> list[L]:
     """The complete versions to drop (in the given order) under the delta-aware rule of the module doc.
     Incomplete versions are never dropped, but an incomplete delta pins its base like a pending one."""
@@ -90,16 +53,3 @@ def retained_with_deltas(versions: Iterable[L], *, keep: int) -> list[L]:
     kept = kept_fulls | {v.manifest_id for v in pending}
     kept |= {v.manifest_id for v in versions if v.base and v.target in kept_fulls}
     return [v for v in versions if v.complete and v.manifest_id not in kept]
-
-
-def versions_to_drop(held: Iterable[HeldVersion], *, async_level: int) -> list[HeldVersion]:
-    """The versions beyond the newest ``async_level + 1`` full steps of their run (and the deltas and
-    bases that rule keeps, see ``retained_with_deltas``), oldest first."""
-    keep = keep_count(async_level)
-    by_run: dict[str, list[HeldVersion]] = {}
-    for version in held:
-        by_run.setdefault(version.run, []).append(version)
-    drop: list[HeldVersion] = []
-    for versions in by_run.values():
-        drop += retained_with_deltas(versions, keep=keep)
-    return sorted(drop)

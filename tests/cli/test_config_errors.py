@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from prime_node.config import RunConfig, TaskConfig, load_run_config
-from prime_node.config.errors import describe_problems
+from prime_node.config.problems import describe_problems
 from prime_node.config.run import validate_run_config
 from prime_node.errors import NodeError
 

@@ -26,7 +26,7 @@ from prime_node.config import RunConfig
 from prime_node.p2p.libp2p_host import open_libp2p_host
 from prime_node.roles.announcement import RunAnnouncer
 from prime_node.status.client import fetch_snapshot, resolve_api_url
-from prime_node.swarm.service import SwarmService
+from prime_node.swarm.service import SwarmService, SwarmSettings
 from tests.p2p.helpers import make_config, start_node
 
 CLI = [sys.executable, "-m", "prime_node"]
@@ -94,7 +94,7 @@ async def test_only_a_pinned_trainer_is_followed_and_an_unpinned_joiner_takes_no
         run_id=RUN,
         trainer=attacker.address,
         store_dir=tmp_path / "attacker-swarm",
-        dataplane_host="127.0.0.1",
+        settings=SwarmSettings(dataplane_host="127.0.0.1"),
     )
     honest_at = f"{RUN}@{honest.address}"
     attacker_at = f"{RUN}@{attacker.address}"

@@ -17,19 +17,13 @@ import trio.testing
 
 from crypto.digests import blake3
 from crypto.keys import WalletKey
-from prime_node.dataplane.channel import (
-    AuthenticatedChannel,
-    ChannelError,
-    accept_channel,
-    open_channel,
-    serve_channels,
-)
+from prime_node.dataplane.channel import AuthenticatedChannel, ChannelError
+from prime_node.dataplane.connect import accept_channel, open_channel, serve_channels
 from prime_node.dataplane.streams import TCP, StreamTransport
 from prime_node.testing.memory_streams import MemoryStreamNetwork
 from protocol.dataplane import (
     DIGESTED,
     FRAME_HEADER,
-    HANDSHAKE_MAX_FRAME,
     HEAD_LENGTH,
     MAX_DIGESTED_HEAD,
     TAG_SIZE,
@@ -37,6 +31,7 @@ from protocol.dataplane import (
     Frame,
     FrameDeadlines,
 )
+from protocol.dataplane_handshake import HANDSHAKE_MAX_FRAME
 
 A, B, C = (WalletKey(hashlib.sha256(label).digest()) for label in (b"a", b"b", b"c"))
 HOST = "127.0.0.1"

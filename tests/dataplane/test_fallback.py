@@ -18,12 +18,13 @@ import trio.testing
 
 from crypto.digests import blake3
 from crypto.keys import Address, WalletKey
-from prime_node.dataplane.channel import ChannelError, dial_channel
+from prime_node.dataplane.channel import ChannelError
+from prime_node.dataplane.connect import dial_channel
 from prime_node.dataplane.dialer import TCP_DIAL_TIMEOUT
 from prime_node.dataplane.libp2p_stream import P2PStream, RouteStats, fallback_protocol
 from prime_node.dataplane.route_memo import RETRY_BASE, RouteMemo
 from prime_node.p2p.interface import P2PHost
-from prime_node.swarm.transport import DataPlane
+from prime_node.swarm.transport import DataPlane, DataPlaneSettings
 from prime_node.testing.memory_network import MemoryHost, MemoryNetwork
 from prime_node.testing.memory_streams import MemoryStreamNetwork
 from prime_node.verification.batch_transfer import BatchTransfer
@@ -107,7 +108,7 @@ async def _start_plane(
         on_frame=lambda peer, frame: frames.append((peer, frame)),
         on_down=lambda peer: events.append(("down", peer)),
         transport=transport,
-        **options,
+        settings=DataPlaneSettings(**options),
     )
     plane.attach(host)
     port = await nursery.start(plane.run, HOST, 0)

@@ -18,9 +18,10 @@ import trio.testing
 
 from crypto.keys import Address, WalletKey
 from prime_node.dataplane.budget import MemoryBudget
-from prime_node.dataplane.channel import AuthenticatedChannel, open_channel
+from prime_node.dataplane.channel import AuthenticatedChannel
+from prime_node.dataplane.connect import open_channel
 from prime_node.dataplane.streams import TCP, StreamTransport
-from prime_node.swarm.transport import DataPlane
+from prime_node.swarm.transport import DataPlane, DataPlaneSettings
 from prime_node.testing.memory_streams import MemoryStreamNetwork, memory_pipe_pair
 from protocol.dataplane import (
     DEFAULT_FRAME_GRACE,
@@ -65,7 +66,13 @@ async def start_node(
             node.plane.send(peer, frame[:8].ljust(8, b"\0") + bytes(node.answer_size))  # a fresh buffer
 
     plane = DataPlane(
-        key, on_up=lambda _: None, on_frame=on_frame, on_down=lambda _: None, transport=transport, **options
+        key,
+        on_up=lambda _: None,
+        on_frame=on_frame,
+        on_down=lambda _: None,
+        transport=transport,
+        budget=options.pop("budget", None),
+        settings=DataPlaneSettings(**options),
     )
     port = await nursery.start(functools.partial(plane.run, HOST, 0))
     holder.append(Node(plane, port, answer_size))

@@ -23,7 +23,8 @@ import pytest
 import trio
 
 from crypto.keys import Address, WalletKey
-from prime_node.dataplane.channel import AuthenticatedChannel, ChannelError, open_channel
+from prime_node.dataplane.channel import AuthenticatedChannel, ChannelError
+from prime_node.dataplane.connect import open_channel
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from protocol.codec import decode_any, encode
 from protocol.dataplane import DEFAULT_FRAME_IDLE, DEFAULT_MAX_FRAME, FRAME_HEADER

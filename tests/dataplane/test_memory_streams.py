@@ -12,14 +12,8 @@ import trio
 import trio.testing
 
 from crypto.keys import WalletKey
-from prime_node.dataplane.channel import (
-    HANDSHAKE_TIMEOUT,
-    AuthenticatedChannel,
-    ChannelError,
-    accept_channel,
-    open_channel,
-    serve_channels,
-)
+from prime_node.dataplane.channel import HANDSHAKE_TIMEOUT, AuthenticatedChannel, ChannelError
+from prime_node.dataplane.connect import accept_channel, open_channel, serve_channels
 from prime_node.testing.memory_streams import MemoryPipeStream, MemoryStreamNetwork, memory_pipe_pair
 from protocol.dataplane import FRAME_HEADER
 

@@ -9,16 +9,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol.codec import decode_any, encode
-from protocol.dataplane import (
-    DigestedFrame,
+from protocol.dataplane import DigestedFrame
+from protocol.errors import LocalProtocolError
+from protocol.manifest import MAX_PIECE_SIZE, MAX_PIECES
+from protocol.piece_frames import (
     decode_digested_piece,
     decode_indexed,
     decode_piece,
     encode_indexed,
     piece_frame,
 )
-from protocol.errors import LocalProtocolError
-from protocol.manifest import MAX_PIECE_SIZE, MAX_PIECES
 from protocol.swarm.messages import Cancel, Have, Piece, Request
 
 manifest_ids = st.binary(min_size=32, max_size=32)

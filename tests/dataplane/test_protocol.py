@@ -16,17 +16,19 @@ from protocol.dataplane import (
     HEAD_LENGTH,
     MAX_DIGESTED_HEAD,
     TAG_SIZE,
-    Auth,
     DigestedFrame,
     Direction,
     FrameOpener,
     FrameSealer,
+    is_digested,
+)
+from protocol.dataplane_handshake import (
+    Auth,
     Handshake,
     Hello,
     Role,
     SessionKeys,
     dialer_auth_digest,
-    is_digested,
     transcript_hash,
 )
 from protocol.errors import LocalProtocolError, RemoteProtocolError

@@ -27,7 +27,7 @@ from prime_node.hardware import parse_gpu_selection, role_threads
 from prime_node.p2p.libp2p_host import open_libp2p_host
 from prime_node.roles.announcement import RunAnnouncer, announced_config, worker_run_config
 from prime_node.roles.runner import RoleRunner, measured_profile, requirements_for
-from prime_node.swarm.service import SwarmService
+from prime_node.swarm.service import SwarmService, SwarmSettings
 from protocol.roles import HardwareProfile
 from protocol.run_announcement import RunAnnouncement
 from tests.cli_in_process import run_cli
@@ -85,8 +85,8 @@ def _join_decision(run_config: RunConfig, trainer: WalletKey, model_dir: Path, d
 async def test_doctor_with_the_run_address_reports_the_role_join_takes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("prime_node.doctor.run.probe", lambda selection, data_dir: PROFILE)
-    monkeypatch.setattr("prime_node.hardware.measure_cpu_decode", lambda *args: DECODE_S_PER_GB)
+    monkeypatch.setattr("prime_node.doctor.checkup.probe", lambda selection, data_dir: PROFILE)
+    monkeypatch.setattr("prime_node.roles.runner.measure_cpu_decode", lambda *args: DECODE_S_PER_GB)
     trainer = WalletKey.generate()
     model_dir = tmp_path / "model"
     _tiny_model(model_dir)
@@ -96,7 +96,7 @@ async def test_doctor_with_the_run_address_reports_the_role_join_takes(
         run_id=RUN,
         trainer=trainer.address,
         store_dir=tmp_path / "trainer-swarm",
-        dataplane_host="127.0.0.1",
+        settings=SwarmSettings(dataplane_host="127.0.0.1"),
     )
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:

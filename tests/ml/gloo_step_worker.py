@@ -4,6 +4,11 @@
         --model DIR --batch BATCH.json --out DIR [--steps K]
         [--sabotage drop-shard|mean-reduce|local-normalizer]
 
+One rank (N = 1) is also ``train(argv)`` in the calling process: torchrun with one process sets
+WORLD_SIZE=1, for which ``init_from_env`` makes no process group and the trainer makes the in-process
+1-rank one (``ensure_process_group``), so the rank runs the same code without the launcher and a second
+interpreter loading torch.
+
 Every rank loads the same model and the same prepared batch (the test wrote it: in a real run rank 0
 broadcasts it) and runs ``GRPOTrainer.train_step`` on it ``--steps`` times: the model sharded with FSDP2
 over the gloo ranks, each rank its strided shard of the samples, the loss normalised by the whole batch's
@@ -49,6 +54,20 @@ def _sabotage(kind: str, trainer: Any, shard_tokens: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """One torchrun rank: ``train``, then leave the process group (all ranks together)."""
+    from prime_node.ml.distributed import shutdown
+
+    try:
+        train(argv)
+    except BaseException:
+        shutdown(together=False)
+        raise
+    shutdown()
+    return 0
+
+
+def train(argv: list[str]) -> None:
+    """The steps and the files they leave in ``--out``; the process group (if any) is left as it is."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--batch", type=Path, required=True)
@@ -61,7 +80,7 @@ def main(argv: list[str]) -> int:
     from safetensors.torch import save_file
 
     from prime_node.config import RunConfig
-    from prime_node.ml.distributed import init_from_env, shutdown
+    from prime_node.ml.distributed import init_from_env
     from prime_node.ml.model import load_model
     from prime_node.ml.tokenizer import load_tokenizer
     from prime_node.ml.trainer import GRPOTrainer, Prepared
@@ -71,36 +90,30 @@ def main(argv: list[str]) -> int:
     config = RunConfig.model_validate({**document["config"], "model_dir": str(args.model)})
     prepared = Prepared(**document["prepared"])
     dist = init_from_env()
-    try:
-        model = load_model(args.model)
-        trainer = GRPOTrainer(
-            config, model, load_tokenizer(args.model), checkpoint_root=args.out / "checkpoints", dist=dist
-        )
-        if args.sabotage is not None:
-            mine = range(dist.rank, len(prepared.sequences), dist.world_size)
-            shard_tokens = sum(len(prepared.sequences[i]) - prepared.prompt_lengths[i] for i in mine)
-            _sabotage(args.sabotage, trainer, shard_tokens)
-        losses, norms = [], []
-        for step in range(args.steps):
-            metrics = trainer.train_step(prepared)
-            losses.append(metrics.loss)
-            norms.append(metrics.grad_norm)
-            if step == 0:
-                grads = {
-                    name: p.grad.full_tensor().detach().clone()
-                    for name, p in trainer.model.named_parameters()
-                    if p.grad is not None
-                }
-                args.out.mkdir(parents=True, exist_ok=True)
-                save_file(grads, str(args.out / f"grads_rank{dist.rank}.safetensors"))
-        if dist.is_main:
-            summary = {"world_size": dist.world_size, "losses": losses, "grad_norms": norms}
-            (args.out / "metrics.json").write_text(json.dumps(summary))
-    except BaseException:
-        shutdown(together=False)
-        raise
-    shutdown()
-    return 0
+    model = load_model(args.model)
+    trainer = GRPOTrainer(
+        config, model, load_tokenizer(args.model), checkpoint_root=args.out / "checkpoints", dist=dist
+    )
+    if args.sabotage is not None:
+        mine = range(dist.rank, len(prepared.sequences), dist.world_size)
+        shard_tokens = sum(len(prepared.sequences[i]) - prepared.prompt_lengths[i] for i in mine)
+        _sabotage(args.sabotage, trainer, shard_tokens)
+    losses, norms = [], []
+    for step in range(args.steps):
+        metrics = trainer.train_step(prepared)
+        losses.append(metrics.loss)
+        norms.append(metrics.grad_norm)
+        if step == 0:
+            grads = {
+                name: p.grad.full_tensor().detach().clone()
+                for name, p in trainer.model.named_parameters()
+                if p.grad is not None
+            }
+            args.out.mkdir(parents=True, exist_ok=True)
+            save_file(grads, str(args.out / f"grads_rank{dist.rank}.safetensors"))
+    if dist.is_main:
+        summary = {"world_size": dist.world_size, "losses": losses, "grad_norms": norms}
+        (args.out / "metrics.json").write_text(json.dumps(summary))
 
 
 if __name__ == "__main__":

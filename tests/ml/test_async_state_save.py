@@ -16,7 +16,8 @@ from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.ml.checkpoint import optimizer_snapshot
 from prime_node.ml.session import TrainingSession
-from prime_node.ml.sharded_checkpoint import AsyncShardedSaver, list_sharded, load_sharded, state_save_due
+from prime_node.ml.sharded_checkpoint import AsyncShardedSaver, list_sharded, state_save_due
+from prime_node.ml.sharded_load import load_sharded
 from prime_node.ml.trainer import Prepared
 
 

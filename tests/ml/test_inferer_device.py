@@ -30,6 +30,7 @@ def _inferer(device: str, free_bytes: int) -> InfererService:
 def loads(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """``load_engine`` calls (the engine itself is built on the CPU: there is no GPU here)."""
     from prime_node.ml import engines
+    from prime_node.roles import inferer_service
 
     real = engines.load_engine
     calls: list[dict[str, Any]] = []
@@ -38,7 +39,7 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         calls.append(options)
         return real(model_dir, tokenizer, **{**options, "device": "cpu"})
 
-    monkeypatch.setattr(engines, "load_engine", fake)
+    monkeypatch.setattr(inferer_service, "load_engine", fake)  # where the inferer looks it up
     return calls
 
 

@@ -27,6 +27,7 @@ from prime_node.ml.checkpoint import list_checkpoints, read_weights
 from prime_node.ml.local_run import run_local
 from prime_node.ml.rollout_log import RolloutLog
 from prime_node.ml.sharded_checkpoint import list_sharded, newest_sharded
+from tests.ml import gloo_step_worker
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -232,10 +233,15 @@ def _gloo_step(
     sabotage: str = "",
     steps: int = 1,
 ) -> list[dict[str, torch.Tensor]]:
-    """Run ``gloo_step_worker.py`` under torchrun with ``nproc`` gloo ranks; the full gradient of the
-    first step as every rank gathered it."""
+    """Run ``gloo_step_worker.py`` under torchrun with ``nproc`` gloo ranks (one rank: in this process,
+    the code torchrun's single rank runs, see the worker's doc); the full gradient of the first step as
+    every rank gathered it."""
     from safetensors.torch import load_file
 
+    arguments = ["--model", str(model_dir), "--batch", str(batch), "--out", str(out), "--steps", str(steps)]
+    if nproc == 1 and not sabotage and env is None:
+        gloo_step_worker.train(arguments)
+        return [load_file(str(out / "grads_rank0.safetensors"))]
     command = [
         sys.executable,
         "-m",
@@ -243,7 +249,7 @@ def _gloo_step(
         "--standalone",
         f"--nproc_per_node={nproc}",
         str(REPO / "tests" / "ml" / "gloo_step_worker.py"),
-        *("--model", str(model_dir), "--batch", str(batch), "--out", str(out), "--steps", str(steps)),
+        *arguments,
         *(("--sabotage", sabotage) if sabotage else ()),
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -273,8 +279,9 @@ GLOO_CURVE_STEPS = 6
 
 @pytest.fixture(scope="module")
 def gloo_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, GlooRun]:
-    """``GLOO_CURVE_STEPS`` FSDP2 steps on one fixed batch with 1 and with 2 gloo ranks (torchrun):
-    the full gradient of the first step on every rank, and rank 0's loss and grad-norm curve."""
+    """``GLOO_CURVE_STEPS`` FSDP2 steps on one fixed batch with 1 rank (in this process) and with 2 gloo
+    ranks (torchrun): the full gradient of the first step on every rank, and rank 0's loss and grad-norm
+    curve."""
     root = tmp_path_factory.mktemp("gloo")
     batch = _gloo_step_batch(tiny_model_dir, root)
     runs = {}

@@ -31,12 +31,12 @@ from prime_node.ml.model import TinySpec, create_tiny_model
 from prime_node.ml.sharded_checkpoint import (
     MARKER,
     list_sharded,
-    load_sharded,
     newest_sharded,
     prune_sharded,
     save_sharded,
     sharded_dir,
 )
+from prime_node.ml.sharded_load import load_sharded
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-6
@@ -284,7 +284,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from prime_node.ml.model import create_tiny_model
 from prime_node.ml.distributed import exit_process, shutdown
-from prime_node.ml.sharded_checkpoint import load_sharded, newest_sharded, save_sharded
+from prime_node.ml.sharded_checkpoint import newest_sharded, save_sharded
+from prime_node.ml.sharded_load import load_sharded
 
 rank, world, store, root, phase = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:]
 root = Path(root)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import AsyncExitStack
 
 import trio
+import trio.lowlevel
 
 from crypto.keys import WalletKey
 from prime_node.p2p.interface import FramedStream
@@ -27,7 +28,7 @@ async def _start_closing_the_connection(host: Libp2pHost, peer_id: str, nursery:
     (connection,) = network.get_connections(ID.from_base58(peer_id))
     nursery.start_soon(connection.close)
     while not connection.is_closed:
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
     assert network.get_connections(ID.from_base58(peer_id)) == [connection]  # the stale record
 
 

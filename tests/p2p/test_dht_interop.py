@@ -182,7 +182,7 @@ async def test_a_node_listening_on_the_wildcard_answers_with_interface_addresses
         open_libp2p_host(WalletKey.generate(), listen="/ip4/0.0.0.0/tcp/0") as node,
         OPEN(WalletKey.generate()) as asker,
     ):
-        port = node._listen_ports()[0]
+        port = node.nat.listen_ports()[0]
         await asker.connect(f"/ip4/127.0.0.1/tcp/{port}/p2p/{node.peer_id}")
         request = Message()
         request.type = Message.MessageType.FIND_NODE

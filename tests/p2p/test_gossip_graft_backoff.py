@@ -9,7 +9,7 @@ import time
 from libp2p.peer.id import ID
 
 from crypto.keys import WalletKey
-from prime_node.p2p.libp2p_host import GOSSIP_PRUNE_BACKOFF, _gossipsub
+from prime_node.p2p.libp2p_build import GOSSIP_PRUNE_BACKOFF, gossipsub_router
 
 TOPIC = "prime-node/test/heartbeats"
 
@@ -21,7 +21,7 @@ def _peer() -> ID:
 
 
 def test_graft_after_the_rounded_backoff_is_accepted() -> None:
-    router = _gossipsub(1)
+    router = gossipsub_router(1)
     peer = _peer()
     # The pruned peer's own backoff: int(time.time()) + backoff, i.e. as little as backoff - 1 s.
     router.graft_flood_tracking[peer][TOPIC] = time.time() - (GOSSIP_PRUNE_BACKOFF - 1) - 0.01
@@ -29,7 +29,7 @@ def test_graft_after_the_rounded_backoff_is_accepted() -> None:
 
 
 def test_graft_soon_after_a_prune_is_still_a_flood() -> None:
-    router = _gossipsub(1)
+    router = gossipsub_router(1)
     peer = _peer()
     router.graft_flood_tracking[peer][TOPIC] = time.time() - 1.0
     assert not router._check_graft_flood_protection(peer, TOPIC)
@@ -50,7 +50,7 @@ def test_a_settled_mesh_is_left_alone() -> None:
     so an idle swarm's meshes kept overflowing and being pruned back.)"""
     from libp2p.custom_types import TProtocol
 
-    router = _gossipsub(1)
+    router = gossipsub_router(1)
     peers = [_peer() for _ in range(15)]
     router.pubsub = _Pubsub({TOPIC: set(peers)})
     for peer in peers:
@@ -66,7 +66,7 @@ def test_a_thin_mesh_is_topped_up_to_the_degree() -> None:
     """Below degree_low the plain gossipsub upkeep still grafts up to the target degree."""
     from libp2p.custom_types import TProtocol
 
-    router = _gossipsub(1)
+    router = gossipsub_router(1)
     peers = [_peer() for _ in range(15)]
     router.pubsub = _Pubsub({TOPIC: set(peers)})
     for peer in peers:

@@ -88,7 +88,7 @@ async def test_a_peer_sending_an_rpc_that_does_not_parse_loses_its_stream_not_ou
     from libp2p.custom_types import TProtocol
     from libp2p.peer.id import ID
 
-    from prime_node.p2p.libp2p_host import GOSSIPSUB_PROTOCOL
+    from prime_node.p2p.libp2p_build import GOSSIPSUB_PROTOCOL
 
     victim_done = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -113,7 +113,7 @@ async def test_a_peer_sending_an_rpc_that_does_not_parse_loses_its_stream_not_ou
 
 
 async def test_an_error_in_any_stream_handler_ends_that_stream_only() -> None:
-    """The same for every protocol's handler, py-libp2p's and ours: contained in ``_build_host``."""
+    """The same for every protocol's handler, py-libp2p's and ours: contained in ``build_host``."""
     from libp2p.custom_types import TProtocol
     from libp2p.host.exceptions import StreamFailure
     from libp2p.peer.id import ID

@@ -1,4 +1,4 @@
-"""The RL loop with both inferers behind NAT (prime_node/testing/nat_swarm.py): trainer and validator on a
+"""The RL loop with both inferers behind NAT (tests/p2p/nat_swarm.py): trainer and validator on a
 public peer, one inferer in each of two homes behind MASQUERADE routers. Each home fetches checkpoints,
 links its data plane to the other home's over their hole-punched connection, and publishes rollouts that
 are validated and trained on. Bulk bytes never ride the relay (a relayed fallback stream is refused).
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from prime_node.demo.orchestrator import child_env
-from prime_node.testing.nat_swarm import HOMES, NatSwarm
 from prime_node.testing.netns_nat import NatLab
+from tests.p2p.nat_swarm import HOMES, NatSwarm
 
 pytestmark = pytest.mark.slow
 DEADLINE_S = float(os.environ.get("NAT_SWARM_DEADLINE", "420"))

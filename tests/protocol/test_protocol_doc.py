@@ -25,7 +25,7 @@ from prime_node.dataplane.channel import DEFAULT_CONTEXT
 from prime_node.dataplane.libp2p_stream import fallback_protocol
 from prime_node.node.gossip import REPAIR_PROTOCOL, topic_name
 from prime_node.node.neighbour_links import NEIGHBOUR_PROTOCOL
-from prime_node.p2p.libp2p_host import GOSSIPSUB_PROTOCOL
+from prime_node.p2p.libp2p_build import GOSSIPSUB_PROTOCOL
 from prime_node.p2p.nat import DIALBACK_PROTOCOL
 from prime_node.roles.announcement import RUN_PROTOCOL
 from protocol import topics

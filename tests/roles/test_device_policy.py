@@ -77,7 +77,7 @@ def test_torchrun_ranks_and_the_one_process_trainer_get_their_device(monkeypatch
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert init_from_env(GpuSelection("none")).device == "cpu"
-    monkeypatch.setattr("prime_node.hardware.probe", lambda selection, *a, **k: _profile(*TWO))
+    monkeypatch.setattr("prime_node.ml.distributed.probe", lambda selection, *a, **k: _profile(*TWO))
     monkeypatch.setattr("prime_node.hardware.cuda_device_count", lambda: 2)
     info = init_from_env(GpuSelection("auto"))
     assert (info.device, info.world_size) == ("cuda:1", 1)

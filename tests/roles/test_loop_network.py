@@ -22,7 +22,7 @@ from prime_node.hardware import GpuSelection
 from prime_node.p2p.libp2p_host import open_libp2p_host
 from prime_node.roles.runner import RoleRunner, RoleSettings
 from prime_node.roles.trainer_node import build_trainer_node
-from prime_node.swarm.service import SwarmService
+from prime_node.swarm.service import SwarmService, SwarmSettings
 from tests.p2p.helpers import make_config, start_node, wait_until
 
 OPEN = functools.partial(open_libp2p_host, listen="/ip4/127.0.0.1/tcp/0")
@@ -54,8 +54,7 @@ def _joiner(
         run_id=RUN_ID,
         trainer=trainer,
         store_dir=tmp_path / f"node{index}" / "swarm",
-        dataplane_host="127.0.0.1",
-        keep=3,
+        settings=SwarmSettings(dataplane_host="127.0.0.1", keep=3),
     )
     runner = RoleRunner(
         key=key,
@@ -69,6 +68,10 @@ def _joiner(
         notify=None if lines is None else lines.append,
     )
     return swarm, runner
+
+
+def training_demand_published(node: Any) -> int:
+    return int(node.status_sections["training"]()["demand"]["published"])
 
 
 @pytest.mark.slow
@@ -149,6 +152,10 @@ async def test_checkpoints_flow_batches_are_validated_and_only_accepted_ones_are
             assert "sampling_mismatch" in cheater_node.status_sections["rollouts"]()["rejected"]
             honest = honest_node.status_sections["rollouts"]()
             assert honest["accepted"] >= 2 and not honest["rejected"]
+            # the trainer's signed demand reached the workers, who believed it (issue 38)
+            assert training_demand_published(trainer_node) >= 1
+            assert honest_runner.demand is not None and honest_runner.demand.book.believed >= 1
+            assert validator_node.status_sections["demand"]()["heard"] >= 1
             # status sections of every role
             training = trainer_node.status_sections["training"]()
             assert training["step"] == 3 and len(training["reward_curve"]) == 3

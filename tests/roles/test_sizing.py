@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from prime_node import hardware
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.hardware import (
@@ -24,6 +23,7 @@ from prime_node.hardware import (
     role_threads,
 )
 from prime_node.ml.architectures import create_model, model_shape, write_model_dir
+from prime_node.roles import runner as runner_module
 from prime_node.roles.choice import needed_tokens_per_s
 from prime_node.roles.runner import measured_profile, requirements_for
 from prime_node.roles.trainer_service import trainer_threads
@@ -162,7 +162,7 @@ def test_a_gpu_that_holds_the_policies_needs_no_cpu_measurement(
     def never(*args: Any, **kwargs: Any) -> float:
         raise AssertionError("nothing to measure: a node with a GPU infers on it, or the run forbids the CPU")
 
-    monkeypatch.setattr(hardware, "measure_cpu_decode", never)
+    monkeypatch.setattr(runner_module, "measure_cpu_decode", never)
     assert measured_profile(gpu, _run(), 2) is gpu
     assert measured_profile(HOME_CPU, _run(inferer_devices=["cuda"]), 2) is HOME_CPU
 
@@ -174,7 +174,7 @@ def test_the_runner_measures_the_cpu_in_the_runs_dtype_and_batch(monkeypatch: py
         asked.append((dtype, batch, threads))
         return 0.75
 
-    monkeypatch.setattr(hardware, "measure_cpu_decode", fake)
+    monkeypatch.setattr(runner_module, "measure_cpu_decode", fake)  # where the runner looks it up
     profile = measured_profile(HOME_CPU, _run(), 2)
     assert asked == [("bfloat16", 64, 2)] and profile.cpu_decode_s_per_gb == 0.75
     assert profile.describe()["cpu_decode_s_per_gb"] == 0.75

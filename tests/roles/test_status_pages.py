@@ -19,7 +19,7 @@ from prime_node.p2p.libp2p_host import open_libp2p_host
 from prime_node.status.client import fetch_snapshot
 from prime_node.status.sections import step_text
 from prime_node.status.tui import pages, render
-from prime_node.swarm.service import SwarmService
+from prime_node.swarm.service import SwarmService, SwarmSettings
 from tests.p2p.helpers import make_config, start_node, wait_until
 from tests.roles.test_status_view import document
 
@@ -40,7 +40,11 @@ async def test_a_live_nodes_every_section_renders_as_values_on_pages_that_fit_80
     async with trio.open_nursery() as nursery:
         seed, _ = await start_node(nursery, OPEN, make_config(tmp_path, 0))
         swarm = SwarmService(
-            key=key, run_id="demo", trainer=None, store_dir=tmp_path / "swarm", dataplane_host="127.0.0.1"
+            key=key,
+            run_id="demo",
+            trainer=None,
+            store_dir=tmp_path / "swarm",
+            settings=SwarmSettings(dataplane_host="127.0.0.1"),
         )
         node, _ = await start_node(
             nursery,

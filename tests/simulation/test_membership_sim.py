@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prime_node.simulation.membership import MembershipScenario, MembershipSimulation
+from prime_node.simulation.membership_sim import MembershipScenario, MembershipSimulation
 from protocol.overlay import OverlayConfig
 
 PEERS = 200

@@ -12,7 +12,7 @@ import trio
 from crypto.keys import Address, WalletKey
 from prime_node.node.service import Node
 from prime_node.p2p.libp2p_host import open_libp2p_host
-from prime_node.swarm.service import SwarmService
+from prime_node.swarm.service import SwarmService, SwarmSettings
 from tests.p2p.helpers import make_config, start_node
 
 OPEN = functools.partial(open_libp2p_host, listen="/ip4/127.0.0.1/tcp/0")
@@ -41,9 +41,7 @@ async def start_peer(
         run_id="test",
         trainer=trainer,
         store_dir=tmp_path / f"store{index}",
-        dataplane_host="127.0.0.1",
-        seed=index,
-        **swarm_options,
+        settings=SwarmSettings(**{"dataplane_host": "127.0.0.1", "seed": index, **swarm_options}),
     )
     config = make_config(tmp_path, index, bootstrap=bootstrap)
     node, scope = await start_node(nursery, OPEN, config, key=key, services=[swarm], serve_api=False)

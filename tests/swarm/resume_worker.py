@@ -11,13 +11,13 @@ from collections import deque
 from pathlib import Path
 
 from crypto.keys import Address
-from prime_node.swarm.checkpoint import read_piece_from_files
+from prime_node.swarm.checkpoint_pieces import read_piece_from_files
 from prime_node.swarm.piece_store import PieceStore
 from protocol.codec import decode
 from protocol.envelope import Envelope
 from protocol.manifest import open_manifest
 from protocol.swarm.messages import Piece
-from protocol.swarm.node import Action, Completed, Send, SwarmNode, Upload, Verify
+from protocol.swarm.swarm_node import Action, Completed, Send, SwarmNode, Upload, Verify
 
 
 def main() -> None:

@@ -3,6 +3,8 @@ checking the invariants after each step, plus unit tests of the rules one at a t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
@@ -26,7 +28,7 @@ from protocol.swarm.catalogue import (
     SendOffer,
     StartFetch,
 )
-from protocol.swarm.retention import beyond_newest
+from protocol.swarm.retention import retained_with_deltas
 
 PEERS = st.sampled_from(["a", "b", "c", "d"])
 MIDS = st.integers(0, 11).map(lambda i: bytes([i]) * 32)
@@ -558,14 +560,32 @@ def test_invariants_raise_protocol_errors() -> None:
     with pytest.raises(LocalProtocolError):
         catalogue.version_complete(mid_of(2))
     with pytest.raises(LocalProtocolError):
-        beyond_newest([], keep=0)
+        retained_with_deltas([], keep=0)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A version as the retention rule sees it (``base``/``target`` empty for a full version)."""
+
+    step: int
+    manifest_id: bytes
+    base: bytes = b""
+    target: bytes = b""
+    complete: bool = True
 
 
 def test_the_retention_rule_keeps_whole_steps() -> None:
-    class V:
-        def __init__(self, step: int) -> None:
-            self.step = step
+    versions = [Held(5, b"5"), Held(4, b"4a"), Held(4, b"4b"), Held(3, b"3")]
+    assert [v.step for v in retained_with_deltas(versions, keep=2)] == [3]
+    assert retained_with_deltas(versions, keep=3) == []
 
-    versions = [V(5), V(4), V(4), V(3)]
-    assert [v.step for v in beyond_newest(versions, keep=2)] == [3]
-    assert beyond_newest(versions, keep=3) == []
+
+def test_the_retention_rule_keeps_the_deltas_of_kept_steps_and_their_bases() -> None:
+    full = {s: Held(s, bytes([s]) * 32) for s in (1, 2, 3)}
+    delta3 = Held(3, b"\x33" * 32, full[2].manifest_id, full[3].manifest_id)
+    delta2 = Held(2, b"\x22" * 32, full[1].manifest_id, full[2].manifest_id)
+    versions = [*full.values(), delta2, delta3]
+    assert retained_with_deltas(versions, keep=1) == [full[1], full[2], delta2]
+    # A delta whose target is not stored yet is still to be applied: its base stays.
+    pending = Held(4, b"\x44" * 32, full[3].manifest_id, b"\x04" * 32)
+    assert retained_with_deltas([*full.values(), pending], keep=1) == [full[1], full[2]]

@@ -16,7 +16,7 @@ from crypto.digests import blake3
 from crypto.keys import WalletKey
 from prime_node.node.context import RecordPart
 from prime_node.p2p.libp2p_host import open_libp2p_host
-from prime_node.swarm.service import SwarmService
+from prime_node.swarm.service import SwarmService, SwarmSettings
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings
 from protocol.rollout_transfer import announcement_for
@@ -53,9 +53,7 @@ async def test_a_checkpoint_moves_byte_identical_between_two_unreachable_peers(t
             run_id="test",
             trainer=trainer_key.address,
             store_dir=tmp_path / f"store{index}",
-            dataplane_host=LOCAL,
-            seed=index,
-            follow=False,
+            settings=SwarmSettings(dataplane_host=LOCAL, seed=index, follow=False),
         )
         for index, key in enumerate((trainer_key, fetcher_key))
     ]

@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 
 from prime_node.errors import NodeError
 from prime_node.swarm.delta_codec import (
-    _MANTISSA_BITS,
     CHUNK_SPARSE,
     FILE_RAW,
     FILE_TENSORS,
@@ -30,12 +29,11 @@ from prime_node.swarm.delta_codec import (
     VERSION,
     DeltaError,
     DeltaStats,
-    _Tensor,
-    _visit,
-    _visit_order,
     apply_delta,
     encode_delta,
 )
+from prime_node.swarm.delta_format import MANTISSA_BITS, Tensor
+from prime_node.swarm.delta_order import visit, visit_order
 
 Weights = dict[str, torch.Tensor]
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
@@ -467,13 +465,13 @@ def test_the_visiting_order_is_the_stable_sort_of_the_base_exponents(
     dtype, width = kind
     count = len(data) // width
     old = np.frombuffer(data[: count * width], dtype=f"<u{width}")
-    tensor = _Tensor("t", dtype, 0, count * width, width)
-    mantissa = _MANTISSA_BITS[dtype]
+    tensor = Tensor("t", dtype, 0, count * width, width)
+    mantissa = MANTISSA_BITS[dtype]
     exponent = (old >> old.dtype.type(mantissa)) & old.dtype.type((1 << (8 * width - mantissa - 1)) - 1)
     expected = np.argsort(exponent, kind="stable")
-    order = _visit_order(old, tensor)
+    order = visit_order(old, tensor)
     assert order is not None and np.array_equal(order, expected)
     flags = np.random.default_rng(flag_seed).random(count) < 0.3
-    flagged_order, positions = _visit(old, tensor, flags)
+    flagged_order, positions = visit(old, tensor, flags)
     assert np.array_equal(flagged_order, expected)
     assert positions is not None and np.array_equal(positions, np.flatnonzero(flags[expected]))

@@ -17,9 +17,9 @@ import trio
 from safetensors.numpy import load_file, save_file
 
 from crypto.keys import Address, WalletKey
-from prime_node.swarm.checkpoint import build_checkpoint
+from prime_node.swarm.checkpoint_pieces import build_checkpoint
 from prime_node.swarm.delta_versions import encode_delta_version
-from prime_node.swarm.service import SwarmService
+from prime_node.swarm.service import SwarmService, SwarmSettings
 from prime_node.swarm.transfer import OriginDirectory
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from protocol.swarm.catalogue import MAX_OFFERS_PER_PEER
@@ -68,9 +68,7 @@ async def start_on_store(
         run_id="test",
         trainer=trainer,
         store_dir=store,
-        dataplane_host="127.0.0.1",
-        seed=index,
-        **options,
+        settings=SwarmSettings(**{"dataplane_host": "127.0.0.1", "seed": index, **options}),
     )
     config = make_config(tmp_path, index, bootstrap=bootstrap)
     node, scope = await start_node(nursery, OPEN, config, key=key, services=[swarm], serve_api=False)

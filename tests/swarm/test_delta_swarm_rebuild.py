@@ -1,6 +1,5 @@
-"""Delta versions on disk (prime_node/swarm/delta_versions.py) and the on-disk retention rule with deltas:
-the trainer's encode-and-sign, a peer's rebuild checked against the target's own manifest (all or nothing),
-and which stores ``apply_retention`` keeps."""
+"""Delta versions on disk (prime_node/swarm/delta_versions.py): the trainer's encode-and-sign, and a peer's
+rebuild checked against the target's own manifest (all or nothing)."""
 
 from __future__ import annotations
 
@@ -11,11 +10,10 @@ import pytest
 
 from crypto.keys import WalletKey
 from prime_node.errors import NodeError
-from prime_node.swarm.checkpoint import build_checkpoint
+from prime_node.swarm.checkpoint_pieces import build_checkpoint
 from prime_node.swarm.delta_versions import check_against, encode_delta_version, rebuild_full
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from protocol.manifest import DELTA_FILE_NAME, open_manifest
-from protocol.swarm.retention import HeldVersion, versions_to_drop
 from tests.swarm.test_delta_swarm import evolve
 
 KEY = WalletKey(bytes(31) + b"\x05")
@@ -101,14 +99,3 @@ def test_check_against_names_a_wrong_piece(tmp_path: Path) -> None:
     shard.write_bytes(bytes(data))
     with pytest.raises(NodeError, match="piece"):
         check_against(target_dir, target.manifest)
-
-
-def test_disk_retention_keeps_the_deltas_of_kept_steps_and_their_bases() -> None:
-    full = {s: HeldVersion("a", s, bytes([s]) * 32) for s in (1, 2, 3)}
-    delta3 = HeldVersion("a", 3, b"\x33" * 32, full[2].manifest_id, full[3].manifest_id)
-    delta2 = HeldVersion("a", 2, b"\x22" * 32, full[1].manifest_id, full[2].manifest_id)
-    assert versions_to_drop([*full.values(), delta2, delta3], async_level=0) == [full[1], full[2], delta2]
-    # A delta whose target is not stored yet is still to be applied: its base stays.
-    pending = HeldVersion("a", 4, b"\x44" * 32, full[3].manifest_id, b"\x04" * 32)
-    kept = [*full.values(), pending]
-    assert versions_to_drop(kept, async_level=0) == [full[1], full[2]]

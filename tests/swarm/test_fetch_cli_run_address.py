@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from crypto.keys import WalletKey
-from prime_node.swarm.checkpoint import choose_piece_size
+from prime_node.swarm.checkpoint_pieces import choose_piece_size
 from prime_node.testing.swarm_fixtures import read_tree
 from tests.cli_in_process import run_cli
 from tests.swarm.test_network_cli import NET, WALLET, cli, run, seeder  # noqa: F401  (seeder: a fixture)

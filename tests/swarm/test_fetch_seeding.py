@@ -13,7 +13,8 @@ import trio
 from crypto.errors import WrongPasswordError
 from crypto.keys import WalletKey
 from prime_node.cli.network_options import NodeFlags
-from prime_node.cli.swarm import SeedPolicy, _KeyInBackground, seed_version
+from prime_node.cli.seeding import SeedPolicy, seed_version
+from prime_node.cli.swarm import _KeyInBackground
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from prime_node.wallet_store import LIGHT_SCRYPT, create_keystore
 from tests.p2p.helpers import wait_until

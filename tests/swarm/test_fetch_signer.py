@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from crypto.keys import WalletKey
-from prime_node.swarm.checkpoint import build_checkpoint
+from prime_node.swarm.checkpoint_pieces import build_checkpoint
 from prime_node.swarm.versions import open_sent
 from prime_node.testing.swarm_fixtures import write_model_dir
 from protocol.codec import encode

@@ -15,8 +15,9 @@ import trio
 import trio.testing
 
 from crypto.keys import Address, WalletKey
-from prime_node.dataplane.channel import ChannelError, open_channel
-from prime_node.swarm.transport import MAX_QUEUED_BYTES, MAX_QUEUED_FRAMES, DataPlane
+from prime_node.dataplane.channel import ChannelError
+from prime_node.dataplane.connect import open_channel
+from prime_node.swarm.transport import MAX_QUEUED_BYTES, MAX_QUEUED_FRAMES, DataPlane, DataPlaneSettings
 from prime_node.testing.memory_streams import MemoryStreamNetwork, memory_pipe_pair
 
 HOST = "10.0.0.1"
@@ -53,7 +54,7 @@ async def start_peer(
         on_frame=lambda peer, frame: frames.append((peer, frame)),
         on_down=lambda peer: events.append(("down", peer)),
         transport=network,
-        **options,
+        settings=DataPlaneSettings(**options),
     )
     scope = trio.CancelScope()
 

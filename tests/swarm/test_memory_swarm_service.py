@@ -11,7 +11,7 @@ import trio.testing
 
 from crypto.keys import WalletKey
 from prime_node.node.service import Node
-from prime_node.swarm.service import SwarmService
+from prime_node.swarm.service import SwarmService, SwarmSettings
 from prime_node.testing.memory_network import MemoryNetwork
 from prime_node.testing.memory_streams import MemoryStreamNetwork
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
@@ -34,9 +34,8 @@ async def test_two_followers_fetch_the_trainers_checkpoint_over_memory_streams(
                 run_id="test",
                 trainer=trainer_key.address,
                 store_dir=tmp_path / f"store{index}",
-                dataplane_host=host,
-                seed=index,
                 transport=streams,
+                settings=SwarmSettings(dataplane_host=host, seed=index),
             )
             # Peer records advertise an IP host, which is where neighbours dial the memory data plane.
             bootstrap = tuple(nodes[0].host.listen_multiaddrs()) if nodes else ()

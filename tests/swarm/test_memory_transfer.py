@@ -17,7 +17,7 @@ import trio
 import trio.testing
 
 from crypto.keys import Address, WalletKey
-from prime_node.swarm.checkpoint import SharedCheckpoint, build_checkpoint
+from prime_node.swarm.checkpoint_pieces import SharedCheckpoint, build_checkpoint
 from prime_node.swarm.piece_store import PieceStore
 from prime_node.swarm.transfer import CheckpointTransfer, OriginDirectory, PieceSource
 from prime_node.swarm.transport import FAULT_PAUSE, DataPlane
@@ -26,7 +26,7 @@ from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from protocol.codec import decode_any
 from protocol.dataplane import DigestedFrame, Frame
 from protocol.swarm.messages import Piece
-from protocol.swarm.node import SwarmConfig
+from protocol.swarm.swarm_node import SwarmConfig
 
 HOST = "10.0.0.1"
 TICK = 1.0

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from protocol.codec import decode_any, encode
 from protocol.errors import LocalProtocolError
 from protocol.swarm.messages import Bitfield, Cancel, Have, Piece, Reject, Request
-from protocol.swarm.node import (
+from protocol.swarm.picker import PickerLimits
+from protocol.swarm.pieceset import to_wire
+from protocol.swarm.swarm_node import (
     AbortUpload,
     Action,
     Completed,
@@ -22,8 +24,6 @@ from protocol.swarm.node import (
     Upload,
     Verify,
 )
-from protocol.swarm.picker import PickerLimits
-from protocol.swarm.pieceset import to_wire
 
 MID = bytes(range(32))
 PIECES = 4

@@ -5,7 +5,7 @@ once its deadline passes; a peer that re-serves what it gets keeps the economy o
 from __future__ import annotations
 
 from protocol.swarm.messages import Have, Request
-from protocol.swarm.node import SwarmNode, Upload
+from protocol.swarm.swarm_node import SwarmNode, Upload
 from tests.swarm.test_node import FULL, MID, node, sent
 
 DEADLINE = 30.0  # spread_timeout: the deadline before any hop has been measured

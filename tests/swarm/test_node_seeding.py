@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prime_node.cli.swarm import SWARM_SEED_LIMIT, SeedPolicy, parse_seed_until
+from prime_node.cli.seeding import SWARM_SEED_LIMIT, SeedPolicy, parse_seed_until
 from prime_node.errors import NodeError
 from protocol.swarm.messages import Bitfield, Have, Request
 from protocol.swarm.pieceset import to_wire

@@ -1,4 +1,4 @@
-"""The piece store and checkpoint reading: verify on write, resume, atomic output, disk errors, retention."""
+"""The piece store and checkpoint reading: verify on write, resume, atomic output, disk errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from crypto.keys import WalletKey
 from prime_node.errors import NodeError
-from prime_node.swarm.checkpoint import (
+from prime_node.swarm.checkpoint_pieces import (
     SharedCheckpoint,
     build_checkpoint,
     choose_piece_size,
@@ -19,11 +19,8 @@ from prime_node.swarm.checkpoint import (
     read_piece_from_files,
 )
 from prime_node.swarm.piece_store import PROGRESS_FILE, PieceStore
-from prime_node.swarm.retention import apply_retention, held_versions
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
-from protocol.errors import LocalProtocolError
 from protocol.manifest import open_manifest
-from protocol.swarm.retention import HeldVersion, versions_to_drop
 
 KEY = WalletKey(bytes(31) + b"\x05")
 PIECE = 4096
@@ -263,32 +260,3 @@ def test_disk_full_and_permission_denied_are_clear_and_leave_consistent_state(
     store.close()
     with PieceStore.open(tmp_path / "store", manifest) as reopened:
         assert reopened.have == 0b1
-
-
-def test_retention_keeps_the_newest_async_level_plus_one_steps(tmp_path: Path) -> None:
-    root = tmp_path / "store"
-    stores = []
-    for step in range(5):
-        shared = share(tmp_path, step=step, seed=step, name=f"model{step}")
-        stores.append(PieceStore.open(root, shared.manifest))
-    for store in stores[1:]:
-        store.close()
-    # Step 0 is still open in a "running" process: kept for now, step 1 goes.
-    assert [v.step for v in apply_retention(root, async_level=2)] == [1]
-    stores[0].close()
-    assert [v.step for v in apply_retention(root, async_level=2)] == [0]
-    assert sorted(v.step for v in held_versions(root)) == [2, 3, 4]
-    assert apply_retention(root, async_level=2) == []
-    (root / "junk").mkdir()
-    assert sorted(v.step for v in held_versions(root)) == [2, 3, 4]
-
-
-def test_retention_rule_is_per_run() -> None:
-    held = [HeldVersion("a", s, bytes([s])) for s in (1, 2, 3)] + [HeldVersion("b", 1, b"b")]
-    assert versions_to_drop(held, async_level=0) == [
-        HeldVersion("a", 1, b"\x01"),
-        HeldVersion("a", 2, b"\x02"),
-    ]
-    assert versions_to_drop(held, async_level=5) == []
-    with pytest.raises(LocalProtocolError):
-        versions_to_drop(held, async_level=-1)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from crypto.keys import WalletKey
-from prime_node.swarm.checkpoint import build_checkpoint
+from prime_node.swarm.checkpoint_pieces import build_checkpoint
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from protocol.codec import encode
 

@@ -11,9 +11,16 @@ from crypto.digests import blake3
 from crypto.keys import WalletKey
 from prime_node.simulation.baselines import one_tier, relay_tree
 from prime_node.simulation.links import MB, LinkModel
-from prime_node.simulation.swarm import ORIGIN, Payload, SwarmResult, SwarmScenario, SwarmSimulation, simulate
+from prime_node.simulation.swarm_sim import (
+    ORIGIN,
+    Payload,
+    SwarmResult,
+    SwarmScenario,
+    SwarmSimulation,
+    simulate,
+)
 from protocol.manifest import build_manifest
-from protocol.swarm.node import Upload
+from protocol.swarm.swarm_node import Upload
 
 PIECE = 1024
 

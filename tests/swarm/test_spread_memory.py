@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.swarm.messages import Bitfield, Have, Request
-from protocol.swarm.node import Action, SwarmConfig, SwarmNode, Upload
 from protocol.swarm.pieceset import from_wire
 from protocol.swarm.spread import SpreadMemory
+from protocol.swarm.swarm_node import Action, SwarmConfig, SwarmNode, Upload
 from tests.swarm.test_node import MID, sent
 
 PIECES = 8

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from crypto.keys import WalletKey
-from prime_node.swarm.checkpoint import build_checkpoint
+from prime_node.swarm.checkpoint_pieces import build_checkpoint
 from prime_node.swarm.piece_store import PieceStore
 from prime_node.swarm.service import SwarmService
 from prime_node.testing.swarm_fixtures import write_model_dir

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from crypto.keys import WalletKey
-from prime_node.swarm.checkpoint import SharedCheckpoint, build_checkpoint
+from prime_node.swarm.checkpoint_pieces import SharedCheckpoint, build_checkpoint
 from prime_node.swarm.piece_store import PieceStore
 from prime_node.swarm.transfer import CheckpointTransfer, OriginDirectory, PieceSource, decode_frame
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from prime_node.testing.swarm_loopback import LoopbackSwarm
 from protocol.dataplane import DigestedFrame, Frame
 from protocol.swarm.messages import Piece, Reject
-from protocol.swarm.node import SwarmConfig
+from protocol.swarm.swarm_node import SwarmConfig
 
 KEY = WalletKey(bytes(31) + b"\x0b")
 

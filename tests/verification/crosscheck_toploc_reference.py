@@ -27,6 +27,7 @@ import toploc  # type: ignore[import-not-found]
 from toploc.C.csrc.poly import ProofPoly  # type: ignore[import-not-found]
 
 from crypto import toploc as ours
+from crypto import toploc_field as ours_field
 
 
 def bits_of(tensor: torch.Tensor) -> np.ndarray:
@@ -57,8 +58,10 @@ def main() -> None:
         xs = rng.choice(span, size=128, replace=False).astype(np.int64)
         ys = rng.integers(0, 1 << 16, size=128).astype(np.int64)
         reference = ProofPoly.from_points_tensor(torch.from_numpy(xs), torch.from_numpy(ys)).to_bytes()
-        moduli = ours.injective_moduli(xs[None, :])
-        mine = ours.encode_proofs(moduli, ours.interpolate(xs[None, :] % moduli[:, None], ys[None, :]))[0]
+        moduli = ours_field.injective_moduli(xs[None, :])
+        mine = ours.encode_proofs(moduli, ours_field.interpolate(xs[None, :] % moduli[:, None], ys[None, :]))[
+            0
+        ]
         stats["points_cases"] += 1
         stats["points_equal"] += reference == mine
         moduli_seen.add(int(moduli[0]))

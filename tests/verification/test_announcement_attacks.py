@@ -11,11 +11,11 @@ from typing import Any
 import trio
 import trio.testing
 
-from crypto.keys import Address, WalletKey
-from prime_node.dataplane.channel import AuthenticatedChannel, serve_channels
+from crypto.keys import WalletKey
+from prime_node.dataplane.channel import AuthenticatedChannel
+from prime_node.dataplane.connect import serve_channels
 from prime_node.testing.memory_streams import MemoryStreamNetwork
 from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings
-from prime_node.verification.fair_slots import FairSlots
 from protocol.codec import decode, encode
 from protocol.rollout_transfer import (
     MAX_CHANNEL_FRAME,
@@ -206,83 +206,5 @@ async def test_a_holder_sending_other_bytes_is_refused_at_the_first_chunk_and_ba
         nursery.cancel_scope.cancel()
 
 
-async def test_slots_are_granted_round_robin_across_keys(autojump_clock: trio.testing.MockClock) -> None:
-    slots: FairSlots[str] = FairSlots(1)
-    order: list[str] = []
-
-    async def take(key: str) -> None:
-        async with slots.hold(key):
-            order.append(key)
-            await trio.sleep(1)
-
-    async with trio.open_nursery() as nursery:
-        for key in ("flood", "flood", "flood", "flood", "honest"):
-            nursery.start_soon(take, key)
-            await trio.sleep(0.01)  # queue in this order
-    # First come first served would give "honest" the slot last; round-robin gives it the second.
-    assert order == ["flood", "flood", "honest", "flood", "flood"]
-    assert slots.used == 0 and slots.waiting() == 0
-
-
-async def test_a_cancelled_waiter_gives_up_its_place_and_a_granted_one_its_slot(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    slots: FairSlots[Address | str] = FairSlots(1)
-    async with trio.open_nursery() as nursery:
-
-        async def hold_for(seconds: float) -> None:
-            async with slots.hold("a"):
-                await trio.sleep(seconds)
-
-        nursery.start_soon(hold_for, 5)
-        await trio.sleep(0.01)
-        with trio.move_on_after(1):
-            async with slots.hold("b"):
-                raise AssertionError("the slot is taken")
-        assert slots.waiting() == 0
-    assert slots.used == 0
-
-
-async def test_past_all_workers_bounds_a_worker_with_fewer_pending_fetches_evicts_the_busiest(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    from prime_node.config import RunConfig
-    from prime_node.node.gossip import Delivered
-    from prime_node.verification.service import ValidatorService, ValidatorSettings
-
-    network = MemoryStreamNetwork()
-    sybil, second, third = (_Hostile(network, "silent") for _ in range(3))
-    transfer = _transfer(network)
-    run = RunConfig(run_id="run")
-    service = ValidatorService(
-        key=WalletKey.generate(),
-        run_config=run,
-        locate=lambda _: None,
-        current_step=lambda: 0,
-        settings=ValidatorSettings(queue_size=4, per_worker_fetches=4),
-        transfer=transfer,
-    )
-
-    def announce(peer: _Hostile, counter: int) -> None:
-        offer = peer.offer(transfer, counter, size=1 << 20)
-        transfer.book.forget(offer.batch_id)  # as gossip delivers it: the service records the holder
-        message = Delivered("rollouts", f"peer-{peer.key.address}", peer.key.address, encode(offer), 0, False)
-        service._on_batch_announcement(message, offer)
-
-    async with trio.open_nursery() as nursery:
-        await _start(nursery, sybil, second, third, transfer)
-        service._nursery = nursery
-        for counter in range(4):
-            announce(sybil, counter)  # fills every pending fetch of all workers together
-        await trio.sleep(0.1)
-        announce(second, 1)
-        announce(third, 1)
-        pending = {w: len(p) for w, p in service._pending.items()}
-        assert pending == {sybil.key.address: 2, second.key.address: 1, third.key.address: 1}
-        assert service.counts["evicted_fetches"] == 2 and service._fetches_pending == 4
-        announce(second, 2)  # would make 2: no one has more than that to give up
-        assert service.counts["dropped_backlog"] == 1
-        assert service._held_bytes == 4 << 20
-        await trio.sleep(60)  # every fetch ends (undelivered), and every reservation is released
-        assert service._fetches_pending == 0 and service._held_bytes == 0 and not service._pending
-        nursery.cancel_scope.cancel()
+# The round-robin of fetch slots and the eviction past all workers' bounds moved to test_inbox.py (the
+# shared rollout inbox), where they run against the validator's and the trainer's intake.

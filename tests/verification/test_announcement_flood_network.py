@@ -12,7 +12,8 @@ from typing import Any
 import trio
 
 from crypto.keys import WalletKey
-from prime_node.dataplane.channel import AuthenticatedChannel, serve_channels
+from prime_node.dataplane.channel import AuthenticatedChannel
+from prime_node.dataplane.connect import serve_channels
 from prime_node.p2p.libp2p_host import open_libp2p_host
 from prime_node.verification.batch_transfer import BatchTransfer
 from prime_node.verification.topics import ROLLOUTS_TOPIC, publish_frame

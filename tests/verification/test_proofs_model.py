@@ -118,7 +118,7 @@ def test_proofs_match_the_previous_implementation_on_float_hidden_states() -> No
 def test_numpy_bf16_rounding_equals_torch_for_every_non_nan_value() -> None:
     import numpy as np
 
-    from crypto.toploc import bf16_round
+    from crypto.toploc_topk import bf16_round
 
     rng = np.random.default_rng(0)
     words = np.concatenate(
@@ -143,7 +143,7 @@ def test_points_chosen_on_the_device_equal_the_numpy_selection() -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from crypto import toploc
+    from crypto import toploc, toploc_topk
     from prime_node.verification.proofs import _chunk_blocks, device_points
 
     @settings(max_examples=25, deadline=None)
@@ -162,7 +162,7 @@ def test_points_chosen_on_the_device_equal_the_numpy_selection() -> None:
             hiddens.append(torch.from_numpy(values))
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             cast = [h.to(dtype) for h in hiddens]
-            expected = toploc.select_points(_chunk_blocks(cast)[0])
+            expected = toploc_topk.select_points(_chunk_blocks(cast)[0], toploc.TOPK)
             got = device_points(cast)
             assert np.array_equal(got.xs, expected.xs)
             assert np.array_equal(got.ys, expected.ys)

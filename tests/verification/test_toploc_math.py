@@ -10,10 +10,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from crypto import toploc
+from crypto import toploc, toploc_field, toploc_topk
 from crypto.errors import CryptoError
 
-P = toploc.FIELD_PRIME
+P = toploc_field.FIELD_PRIME
 
 
 def lagrange_oracle(xs: list[int], ys: list[int]) -> list[int]:
@@ -44,9 +44,9 @@ points = st.integers(1, 40).flatmap(
 @given(points)
 def test_interpolation_passes_through_every_point_and_matches_lagrange(case: tuple[list[int], ...]) -> None:
     xs, ys = case
-    coefficients = toploc.interpolate(np.array([xs]), np.array([ys]))
+    coefficients = toploc_field.interpolate(np.array([xs]), np.array([ys]))
     assert coefficients.shape == (1, len(xs))
-    assert toploc.evaluate(coefficients, np.array([xs])).tolist() == [ys]
+    assert toploc_field.evaluate(coefficients, np.array([xs])).tolist() == [ys]
     assert coefficients[0].tolist() == lagrange_oracle(xs, ys)
 
 
@@ -56,28 +56,28 @@ def test_batched_interpolation_of_full_chunks_passes_through_the_points(seed: in
     rows = 3
     xs = np.stack([rng.choice(P, size=toploc.TOPK, replace=False) for _ in range(rows)])
     ys = rng.integers(0, P, size=(rows, toploc.TOPK))
-    coefficients = toploc.interpolate(xs, ys)
-    assert np.array_equal(toploc.evaluate(coefficients, xs), ys)
+    coefficients = toploc_field.interpolate(xs, ys)
+    assert np.array_equal(toploc_field.evaluate(coefficients, xs), ys)
     # Each row is interpolated independently of the others in the batch.
-    assert np.array_equal(toploc.interpolate(xs[1:2], ys[1:2]), coefficients[1:2])
+    assert np.array_equal(toploc_field.interpolate(xs[1:2], ys[1:2]), coefficients[1:2])
 
 
 def test_interpolation_refuses_repeated_x() -> None:
     with pytest.raises(CryptoError) as caught:
-        toploc.interpolate(np.array([[5, 9, 5]]), np.array([[1, 2, 3]]))
+        toploc_field.interpolate(np.array([[5, 9, 5]]), np.array([[1, 2, 3]]))
     assert caught.value.reason == "duplicate_points"
 
 
 @given(st.lists(st.integers(0, 2**31 - 1), min_size=2, max_size=128, unique=True))
 def test_injective_modulus_is_the_largest_that_separates_the_indices(xs: list[int]) -> None:
-    modulus = int(toploc.injective_moduli(np.array([xs]))[0])
-    assert toploc.MIN_MODULUS <= modulus <= P
+    modulus = int(toploc_field.injective_moduli(np.array([xs]))[0])
+    assert toploc_field.MIN_MODULUS <= modulus <= P
     assert len({x % modulus for x in xs}) == len(xs)
     for larger in range(modulus + 1, P + 1):
         assert len({x % larger for x in xs}) < len(xs)
 
 
-@given(st.integers(toploc.MIN_MODULUS, P), st.lists(st.integers(0, P - 1), min_size=128, max_size=128))
+@given(st.integers(toploc_field.MIN_MODULUS, P), st.lists(st.integers(0, P - 1), min_size=128, max_size=128))
 def test_encode_decode_round_trip(modulus: int, coefficients: list[int]) -> None:
     [proof] = toploc.encode_proofs(np.array([modulus]), np.array([coefficients]))
     assert len(proof) == toploc.PROOF_BYTES == 258
@@ -105,8 +105,8 @@ def test_proof_bytes_equal_the_reference(seed: int, span: int, modulus: int, dig
     rng = np.random.default_rng(seed)
     xs = rng.choice(span, size=128, replace=False).astype(np.int64)[None, :]
     ys = rng.integers(0, 1 << 16, size=128).astype(np.int64)[None, :]
-    moduli = toploc.injective_moduli(xs)
-    [proof] = toploc.encode_proofs(moduli, toploc.interpolate(xs % moduli[:, None], ys))
+    moduli = toploc_field.injective_moduli(xs)
+    [proof] = toploc.encode_proofs(moduli, toploc_field.interpolate(xs % moduli[:, None], ys))
     assert int(moduli[0]) == modulus
     assert hashlib.sha256(proof).hexdigest() == digest
 
@@ -146,7 +146,7 @@ def test_any_single_changed_coefficient_is_rejected(values: list[int], data: st.
 def test_any_single_changed_exponent_or_mantissa_is_seen(values: list[int], data: st.DataObject) -> None:
     chunk = chunk_of(values)
     [proof] = toploc.commit_chunks([chunk])
-    chosen = toploc.top_entries(chunk[None, :], toploc.TOPK)[0]
+    chosen = toploc_topk.top_entries(chunk[None, :], toploc.TOPK)[0]
     target = int(data.draw(st.sampled_from(chosen.tolist())))
     recomputed = chunk.copy()
     if data.draw(st.booleans()):
@@ -164,14 +164,14 @@ def test_any_single_changed_exponent_or_mantissa_is_seen(values: list[int], data
 def test_top_entries_break_ties_by_lower_index_and_ignore_sign() -> None:
     bits = np.full((1, 300), 0x3F80, dtype=np.uint16)  # 1.0 everywhere
     bits[0, 250] = 0xC000  # -2.0: the largest magnitude
-    chosen = toploc.top_entries(bits, 128)[0].tolist()
+    chosen = toploc_topk.top_entries(bits, 128)[0].tolist()
     assert chosen == [250, *range(127)]
 
 
 @given(st.lists(st.integers(0, 0xFFFF), min_size=1, max_size=300), st.data())
 def test_top_entries_match_a_sorting_oracle(values: list[int], data: st.DataObject) -> None:
     k = data.draw(st.integers(1, len(values)))
-    chosen = toploc.top_entries(np.array([values], dtype=np.uint16), k)[0].tolist()
+    chosen = toploc_topk.top_entries(np.array([values], dtype=np.uint16), k)[0].tolist()
     oracle = sorted(range(len(values)), key=lambda i: (-(values[i] & 0x7FFF), i))[:k]
     assert chosen == oracle
 
@@ -281,7 +281,7 @@ def test_commit_and_check_match_the_previous_implementation(seed: int, widths: l
 def test_prefiltered_top_entries_match_the_exact_selection(seed: int, width: int, k: int) -> None:
     rng = np.random.default_rng(seed)
     bits = np.stack([wide_chunk(rng, width, kind) for kind in range(4)])
-    assert np.array_equal(toploc.top_entries(bits, k), legacy.top_entries(bits, k))
+    assert np.array_equal(toploc_topk.top_entries(bits, k), legacy.top_entries(bits, k))
 
 
 @settings(max_examples=20, deadline=None)
@@ -293,13 +293,13 @@ def test_interpolation_matches_the_previous_implementation(seed: int, rows: int)
         [rng.permutation(128) if i % 2 else rng.choice(P, size=128, replace=False) for i in range(rows)]
     )
     ys = rng.integers(0, 1 << 16, size=(rows, 128))
-    assert np.array_equal(toploc.interpolate(xs, ys), legacy.interpolate(xs, ys))
+    assert np.array_equal(toploc_field.interpolate(xs, ys), legacy.interpolate(xs, ys))
 
 
 @given(st.lists(st.integers(0, 0xFFFFFFFF), min_size=1, max_size=200))
 def test_bf16_rounding_is_round_to_nearest_even_with_one_nan(words: list[int]) -> None:
     values = np.array(words, dtype=np.uint32).view(np.float32)
-    got = toploc.bf16_round(values).tolist()
+    got = toploc_topk.bf16_round(values).tolist()
     for word, bits in zip(words, got, strict=True):
         if (word & 0x7FFFFFFF) > 0x7F800000:
             assert bits == 0x7FC0

@@ -231,8 +231,8 @@ def test_policies_load_by_step_from_disk_and_a_judge_signs_verdicts(
     import torch
 
     from prime_node.ml.model import create_tiny_model, save_model_dir
+    from prime_node.verification.judge import Judge, PolicyEngines
     from prime_node.verification.proving import rollout_domain
-    from prime_node.verification.role import Judge, PolicyEngines
     from prime_node.verification.validator import BatchValidator
 
     save_model_dir(scenario.engine.model, scenario.tokenizer, tmp_path / "step_5")
@@ -271,7 +271,7 @@ def test_policy_engines_reuse_models_and_match_fresh_loads(scenario: Scenario, t
 
     from prime_node.errors import NodeError
     from prime_node.ml.model import create_tiny_model, load_model, save_model_dir
-    from prime_node.verification.role import PolicyEngines
+    from prime_node.verification.judge import PolicyEngines
 
     for step in range(4):
         model, _ = create_tiny_model(10 + step)

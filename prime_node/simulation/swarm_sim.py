@@ -21,7 +21,7 @@ from prime_node.simulation.links import Link, LinkModel, broadcast_bound
 from protocol.codec import Message
 from protocol.manifest import Manifest
 from protocol.swarm.messages import Have, Piece
-from protocol.swarm.node import (
+from protocol.swarm.swarm_node import (
     AbortUpload,
     Action,
     Completed,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from crypto.keys import Address, WalletKey
 from prime_node.dataplane.streams import TCP, StreamTransport
@@ -44,10 +45,19 @@ NOT_BANNED_FOR = ("unresponsive", "banned")
 """Transfer close reasons that are no offence (a slow or already banned peer)."""
 
 
+@dataclass(frozen=True)
+class ExchangeHooks:
+    """What the exchange tells its swarm service: ``follow`` starts a followed version's fetch, ``drop``
+    forgets a version retention dropped, ``offence`` reports a banned peer to the node's peer policy."""
+
+    follow: Callable[[bytes], None]
+    drop: Callable[[bytes], None]
+    offence: Callable[[Address, str], None]
+
+
 class VersionExchange:
-    """See the module doc. ``trainer`` gives the run's trainer (it may change); ``on_follow`` starts a
-    followed version's fetch, ``on_drop`` forgets a version retention dropped, ``on_offence`` reports a
-    banned peer to the node's peer policy; ``transport`` is where the data plane's streams come from."""
+    """See the module doc. ``trainer`` gives the run's trainer (it may change); ``hooks`` reach back into
+    the swarm service; ``transport`` is where the data plane's streams come from."""
 
     def __init__(
         self,
@@ -57,18 +67,16 @@ class VersionExchange:
         *,
         now: Callable[[], float],
         trainer: Callable[[], Address | None],
-        on_follow: Callable[[bytes], None],
-        on_drop: Callable[[bytes], None],
-        on_offence: Callable[[Address, str], None],
+        hooks: ExchangeHooks,
         transport: StreamTransport = TCP,
     ) -> None:
         self.catalogue = catalogue
         self.holdings = holdings
         self.now = now
         self.trainer = trainer
-        self.on_follow = on_follow
-        self.on_drop = on_drop
-        self.on_offence = on_offence
+        self.on_follow = hooks.follow
+        self.on_drop = hooks.drop
+        self.on_offence = hooks.offence
         self.waits: dict[bytes, ManifestWait] = {}
         self.dataplane = DataPlane(
             key, on_up=self.on_up, on_frame=self.on_frame, on_down=self.on_down, transport=transport

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from crypto.keys import WalletKey
 from prime_node.errors import NodeError
 from prime_node.ml.engines import DEFAULT_DTYPE, DEFAULT_ENGINE, engine_spec, load_engine
+from prime_node.ml.model import check_model_dir
 from prime_node.verification.validator import BatchValidator, ValidationResult
 from protocol.envelope import Envelope
 from protocol.verdict import seal_verdict
@@ -104,7 +105,6 @@ class PolicyEngines:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        from prime_node.ml.model import check_model_dir
         from prime_node.ml.rollout_batch import with_tied_head
 
         check_model_dir(directory)

@@ -1,4 +1,6 @@
-"""One node's part in the swarm of one checkpoint version: a sans-IO state machine.
+"""One node's part in the swarm of one checkpoint version: a sans-IO state machine. One file because it
+is one machine: the piece exchange and super-seeding read and write the same peer sessions, picker and
+upload queue, and each transition keeps their invariants together (tests/swarm checks them as one).
 
 The caller owns connections, storage and time. It reports events (a peer connected or left, a message
 arrived, a piece it was asked to check passed or failed, an upload finished, time passed) and carries out

@@ -1,4 +1,4 @@
-"""A node for NAT tests: ``python -m prime_node.testing.nat_peer --listen ... --bootstrap ...``.
+"""A node for NAT tests: ``python -m tests.p2p.nat_peer --listen ... --bootstrap ...`` (from the repo root).
 
 It runs exactly what ``prime-node join`` runs (``run_node_until_signal``: the reachability service, the
 relay and hole punching from the flags), plus an echo protocol, and prints one JSON line every
@@ -34,7 +34,7 @@ from prime_node.node.reachability_service import SECTION, peer_id_of
 from prime_node.node.runner import run_node_until_signal
 from prime_node.node.service import Node
 from prime_node.p2p.interface import FramedStream
-from prime_node.swarm.service import SwarmService
+from prime_node.swarm.service import SwarmService, SwarmSettings
 from prime_node.testing.swarm_fixtures import write_model_dir
 
 ECHO_PROTOCOL = "/prime-node/test-echo/1"
@@ -93,7 +93,7 @@ def _logging(libp2p_debug: bool) -> None:
     logging.getLogger("prime_node.dataplane").setLevel(logging.INFO)
     logging.getLogger("prime_node.swarm").setLevel(logging.INFO)
     if libp2p_debug:
-        # py-libp2p's logger does not propagate (libp2p_host.quiet_libp2p_logs): give its relay parts a
+        # py-libp2p's logger does not propagate (libp2p_build.quiet_libp2p_logs): give its relay parts a
         # handler of their own.
         for name in ("libp2p.relay.circuit_v2", "libp2p.network.swarm", "libp2p.transport.tcp"):
             logger = logging.getLogger(name)
@@ -109,8 +109,7 @@ def _swarm(args: argparse.Namespace, key: WalletKey) -> SwarmService | None:
         run_id=args.run,
         trainer=key.address if args.share_mib else Address.parse(args.trainer),
         store_dir=Path(args.data_dir) / "swarm",
-        dataplane_host=args.listen.split("/")[2],
-        follow=False,
+        settings=SwarmSettings(dataplane_host=args.listen.split("/")[2], follow=False),
     )
 
 

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, with_node_flags
+from prime_node.cli.network_options import DEFAULT_FLAGS, NodeFlags, dataplane_host_for, with_node_flags
+from prime_node.cli.options import KeepBatchesOption
 from prime_node.errors import NodeError
 from prime_node.node.data_dir_lock import check_data_dir_free
 from prime_node.roles.rendezvous import Rendezvous, parse_rendezvous
 from prime_node.roles.rendezvous import gloo_interface as find_interface
+from prime_node.roles.trainer_ranks import LaunchSpec, launch_networked, run_torchrun
 
 if TYPE_CHECKING:
     from prime_node.hardware import GpuSelection
@@ -67,6 +69,7 @@ def run_trainer(
         ),
     ] = None,
     node: NodeFlags = DEFAULT_FLAGS,
+    keep_batches: KeepBatchesOption = 0,
     exit_when_done: Annotated[
         bool,
         typer.Option("--exit-when-done", help="Networked: exit after max_steps (default: keep seeding)."),
@@ -97,14 +100,20 @@ def run_trainer(
         overrides["train_dtype"] = _train_dtype(dtype)
     run = load_run_config(config, overrides=overrides)  # fail fast, before spawning anything
     if not local:
-        _networked(run, node, exit_when_done=exit_when_done, nproc=nproc, gpus=gpus, rendezvous=rendezvous)
+        _networked(
+            run,
+            node,
+            exit_when_done=exit_when_done,
+            nproc=nproc,
+            gpus=gpus,
+            rendezvous=rendezvous,
+            keep_batches=keep_batches,
+        )
         return
     args = ["--config", str(config)] + [
         arg for key, value in overrides.items() for arg in (f"--{key.replace('_', '-')}", str(value))
     ]
     if nproc > 1 or rendezvous.multi_node:
-        from prime_node.roles.trainer_ranks import run_torchrun
-
         run_torchrun("prime_node.ml.dist_entry", [*args, "--gpu", str(gpus)], nproc, rendezvous=rendezvous)
         return
     from prime_node.ml.distributed import init_from_env
@@ -149,15 +158,14 @@ def _networked(
     nproc: int,
     gpus: GpuSelection,
     rendezvous: Rendezvous,
+    keep_batches: int = 0,
 ) -> None:
     """The networked trainer node (prime_node/roles/trainer_node.py); with ``nproc`` > 1 or several
     nodes its rank 0, under torchrun (prime_node/roles/trainer_ranks.py). Everything that can fail is
     checked first. Nodes other than node 0 hold no rank 0: they need neither the key nor the network."""
-    from prime_node.cli.network_options import dataplane_host_for
     from prime_node.roles.trainer_node import build_trainer_node, run_trainer_node, step_line
-    from prime_node.roles.trainer_ranks import LaunchSpec, launch_networked
 
-    node_config = flags.config(run.run_id)
+    node_config = flags.config(run.run_id).keeping_batches(keep_batches)
     dataplane_host = dataplane_host_for(node_config.listen)
     under_torchrun = nproc > 1 or rendezvous.multi_node
     if rendezvous.node_rank > 0:
