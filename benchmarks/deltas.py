@@ -101,9 +101,10 @@ def _train(
     from prime_node.ml.engine import TorchEngine
     from prime_node.ml.fsdp import full_weights
     from prime_node.ml.model import load_model
+    from prime_node.ml.prepared import prepare
     from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch, with_tied_head
     from prime_node.ml.tokenizer import load_tokenizer
-    from prime_node.ml.trainer import GRPOTrainer, prepare
+    from prime_node.ml.trainer import GRPOTrainer
     from prime_node.tasks.factory import build_task
 
     tokenizer = load_tokenizer(model_dir)

@@ -499,7 +499,7 @@ SHARING = re.compile(
     r"\((\d+) pieces; (\w+)(?:, (\d+) of (\d+) bytes)?\)"
 )
 DELTA_WAIT_S = 5.0
-"""prime_node.swarm.service.DELTA_WAIT: how long publish waits for a delta before announcing the full one."""
+"""swarm/publishing.py's DELTA_WAIT: how long publish waits for a delta before announcing the full one."""
 
 
 def _announcements(log: Path) -> list[dict[str, Any]]:

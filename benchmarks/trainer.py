@@ -89,7 +89,7 @@ def make_model(size: str, out: Path, seed: int, layers: int | None = None) -> No
 def _batch(vocab: int, samples: int, prompt_tokens: int, completion_tokens: int, seed: int) -> object:
     import torch
 
-    from prime_node.ml.trainer import Prepared
+    from prime_node.ml.prepared import Prepared
 
     generator = torch.Generator().manual_seed(seed)
     length = prompt_tokens + completion_tokens
@@ -107,8 +107,8 @@ def worker(args: argparse.Namespace) -> None:
     from prime_node.config import RunConfig
     from prime_node.ml.distributed import init_from_env, shutdown
     from prime_node.ml.fsdp import local_state_bytes
+    from prime_node.ml.prepared import Prepared
     from prime_node.ml.session import TrainingSession
-    from prime_node.ml.trainer import Prepared
 
     torch.set_num_threads(args.threads)
     dist = init_from_env()

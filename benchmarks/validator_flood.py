@@ -17,10 +17,12 @@ Prints ONE JSON line:
 - ``wall_s_without``, ``wall_s_with``, ``load_before``: the 1-minute load average before each run (the
   machine may be shared: compare the two runs, not runs on different days).
 
-``--attack announcements`` (issue 35 item 1) runs the never-resolving-announcement attacker instead, in
-this process on real libp2p hosts and real data-plane channels on 127.0.0.1 (tests/verification/
-network_helpers.py): a trainer-side intake, one validator (``recompute_groups`` 4), an honest worker and
-an attacker key. The worker publishes ``--batches`` real-size batches (4,096 samples of up to 400 tokens
+``--attack announcements`` (issue 35 item 1) runs the never-resolving-announcement attacker instead, on
+real libp2p hosts and real data-plane channels on 127.0.0.1 (tests/verification/network_helpers.py): in
+this process a trainer-side intake, one validator (``recompute_groups`` 4) and an honest worker; the
+attacker is a node of its own process (benchmarks/flood_support/attacker_peer.py, joined in both runs,
+attacking in one), so that its work does not compete with the validator's judging for this process's
+GIL. The worker publishes ``--batches`` real-size batches (4,096 samples of up to 400 tokens
 from the tiny model, >= 8 MiB each, generated once and sealed afresh for each run) one after the other,
 each announced and fetched over the data plane; with the attack, the attacker first gossips 16
 announcements of batches at the run's size cap whose data-plane port accepts the channel and never
@@ -31,8 +33,9 @@ generated batches (~7 min on 2 loaded cores) for the next invocation. Prints ONE
 verdict), ``ratio`` = mean with / mean without (goal <= 1.2) and ``median_ratio``,
 ``announce_to_frame_s`` and ``validate_s`` (per run: the validator's mean announcement-to-frame and
 judging times, which split the figure into what the attack targets and CPU-bound judging),
-``batch_bytes``, ``offers_sent``, and the validator's counts in the last attacked run (refused per worker,
-undelivered, evicted, stage times). Run: ``.venv/bin/python benchmarks/validator_flood.py --attack
+``batch_bytes``, ``offers_sent``, ``attacker_cpu_s`` (the attacker process's CPU seconds per attacked
+run), and the validator's counts in the last attacked run (refused per worker, undelivered, evicted, stage
+times). Run: ``.venv/bin/python benchmarks/validator_flood.py --attack
 announcements [--batches 3 --rounds 2 --cache DIR]``.
 """
 
@@ -42,6 +45,7 @@ import argparse
 import json
 import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +56,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.verification.policy_flood import RATE_HZ, run_demo  # noqa: E402
+
+ATTACKER = REPO / "benchmarks" / "flood_support" / "attacker_peer.py"
+JOIN_S = 120.0
+"""Hang guard for the attacker process to start and join the swarm (seconds; it takes a few)."""
 
 
 def _cpu_s() -> float:
@@ -111,6 +119,48 @@ def _counts(status: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in status.items() if isinstance(v, int | float | dict) and k not in ("stages",)}
 
 
+class _AttackerPeer:
+    """The attacker's process (benchmarks/flood_support/attacker_peer.py): commands in, JSON lines out."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self._buffer = b""
+
+    @classmethod
+    async def start(cls, settings: dict[str, Any]) -> _AttackerPeer:
+        import trio
+
+        argv = [sys.executable, str(ATTACKER), json.dumps(settings)]
+        return cls(await trio.lowlevel.open_process(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+
+    async def expect(self, field: str) -> dict[str, Any]:
+        """The next line that carries ``field`` (others are skipped)."""
+        import trio
+
+        with trio.fail_after(JOIN_S):
+            while True:
+                while b"\n" not in self._buffer:
+                    chunk = await self.process.stdout.receive_some(4096)
+                    if not chunk:
+                        raise SystemExit(f"the attacker process ended (status {await self.process.wait()})")
+                    self._buffer += chunk
+                line, self._buffer = self._buffer.split(b"\n", 1)
+                message = json.loads(line)
+                if field in message:
+                    return dict(message)
+
+    async def send(self, command: str) -> None:
+        await self.process.stdin.send_all(command.encode() + b"\n")
+
+    async def close(self) -> None:
+        import trio
+
+        with trio.CancelScope(shield=True):
+            if self.process.returncode is None:
+                self.process.kill()
+            await self.process.wait()
+
+
 def _announcement_attack(batches: int, rounds: int, cache: Path | None) -> dict[str, Any]:
     """The ``--attack announcements`` benchmark (module doc)."""
     import functools
@@ -120,15 +170,13 @@ def _announcement_attack(batches: int, rounds: int, cache: Path | None) -> dict[
     import trio
 
     from crypto.keys import WalletKey
-    from prime_node.dataplane.channel import AuthenticatedChannel
-    from prime_node.dataplane.connect import serve_channels
     from prime_node.p2p.libp2p_host import open_libp2p_host
     from prime_node.testing.adversary import build_scenario
+    from prime_node.verification.batch_publish import publish_frame
     from prime_node.verification.batch_transfer import BatchTransfer
-    from prime_node.verification.topics import ROLLOUTS_TOPIC, publish_frame
     from prime_node.verification.validator import CheckPolicy
-    from protocol.codec import encode
-    from protocol.rollout_transfer import MAX_CHANNEL_FRAME, ROLLOUT_CONTEXT, RolloutAnnouncement
+    from protocol.membership import PeerState
+    from tests.p2p.helpers import wait_until
     from tests.verification.network_helpers import fresh, judged, start_swarm
 
     torch.set_num_threads(1)
@@ -147,8 +195,24 @@ def _announcement_attack(batches: int, rounds: int, cache: Path | None) -> dict[
     generate_s = time.monotonic() - began
     opener = functools.partial(open_libp2p_host, listen="/ip4/127.0.0.1/tcp/0")
 
-    async def silent(channel: AuthenticatedChannel) -> None:
-        await trio.sleep_forever()
+    async def honest_batches(nursery: Any, swarm: Any, service: Any, result: dict[str, Any]) -> None:
+        """Announce the worker's batches one after the other; each one's announcement-to-verdict time."""
+        worker = BatchTransfer(scenario.key, host_of=lambda _: None, host="127.0.0.1")
+        await nursery.start(worker.run)
+        for batch in honest:
+            frame = fresh(scenario).seal(batch)
+            result["batch_bytes"] = len(frame)
+            announced = time.monotonic()
+            batch_id = await publish_frame(swarm.inferer, frame, transfer=worker, inline_limit=0)
+            try:
+                reasons = await judged(service, batch_id, timeout=NOT_JUDGED_S)
+            except AssertionError:  # reported, with the validator's counts, rather than a crash
+                result.setdefault("not_judged", []).append(
+                    {"batch": batch_id.hex()[:16], "status": _counts(service.status())}
+                )
+                continue
+            result["seconds"].append(round(time.monotonic() - announced, 3))
+            result.setdefault("reasons", []).append(list(reasons))
 
     async def one(root: Path, attack: bool) -> dict[str, Any]:
         result: dict[str, Any] = {"seconds": [], "offers_sent": 0}
@@ -159,61 +223,36 @@ def _announcement_attack(batches: int, rounds: int, cache: Path | None) -> dict[
                 root,
                 scenario,
                 [validator_key],
-                observers=1,
                 validator_kwargs={0: {"check_policy": CheckPolicy(recompute_groups=4)}},
             )
             validator_node, service = swarm.validators[0]
-            attacker = swarm.others[0]
-            worker = BatchTransfer(scenario.key, host_of=lambda _: None, host="127.0.0.1")
-            await nursery.start(worker.run)
-            await trio.sleep(2)  # let the gossipsub mesh settle after the connections
-            if attack:
-                port = await nursery.start(
-                    functools.partial(
-                        serve_channels,
-                        attacker.key,
-                        silent,
-                        host="127.0.0.1",
-                        context=ROLLOUT_CONTEXT,
-                        max_frame=MAX_CHANNEL_FRAME,
-                    )
+            # The attacker's process joins both runs (the same swarm either way) and attacks in one.
+            attacker = await _AttackerPeer.start(
+                {
+                    "bootstrap": swarm.trainer.advertised_multiaddrs()[0],
+                    "run_config": scenario.config.model_dump(mode="json"),
+                    "step": scenario.current_step,
+                    "data_dir": str(root / "attacker"),
+                    "peers": len(swarm.nodes),
+                }
+            )
+            try:
+                peer = (await attacker.expect("peer_id"))["peer_id"]
+                await wait_until(
+                    lambda: all(peer in node.peers_in(PeerState.HEALTHY) for node in swarm.nodes), JOIN_S
                 )
-                cap = scenario.config.max_rollout_batch_bytes
-
-                async def offer(counter: int) -> None:
-                    announcement = RolloutAnnouncement(
-                        counter.to_bytes(32, "big"), cap, scenario.config.run_id, attacker.key.address,
-                        scenario.current_step, 10_000 + counter, port,
-                    )  # fmt: skip
-                    await attacker.gossip.publish(ROLLOUTS_TOPIC, encode(announcement))
-                    result["offers_sent"] += 1
-
-                async def keep_announcing() -> None:
-                    counter = 16
-                    while True:
-                        await trio.sleep(2)
-                        for _ in range(4):
-                            await offer(counter)
-                            counter += 1
-
-                for counter in range(16):
-                    await offer(counter)
-                nursery.start_soon(keep_announcing)
-                await trio.sleep(1)
-            for batch in honest:
-                frame = fresh(scenario).seal(batch)
-                result["batch_bytes"] = len(frame)
-                announced = time.monotonic()
-                batch_id = await publish_frame(swarm.inferer, frame, transfer=worker, inline_limit=0)
-                try:
-                    reasons = await judged(service, batch_id, timeout=NOT_JUDGED_S)
-                except AssertionError:  # reported, with the validator's counts, rather than a crash
-                    result.setdefault("not_judged", []).append(
-                        {"batch": batch_id.hex()[:16], "status": _counts(service.status())}
-                    )
-                    continue
-                result["seconds"].append(round(time.monotonic() - announced, 3))
-                result.setdefault("reasons", []).append(list(reasons))
+                await attacker.expect("ready")
+                await trio.sleep(2)  # let the gossipsub mesh settle after the connections
+                if attack:
+                    await attacker.send("attack")  # 16 offers at once, then 4 every 2 s
+                    await attacker.expect("offered")
+                    await trio.sleep(1)
+                await honest_batches(nursery, swarm, service, result)
+                await attacker.send("stop")
+                done = await attacker.expect("offers_sent")
+            finally:
+                await attacker.close()
+            result["offers_sent"], result["attacker_cpu_s"] = done["offers_sent"], done["cpu_s"]
             status = service.status()
             result["fetched_s"] = status["stages"].get("delivery", {}).get("mean_s")
             result["validate_s"] = status["stages"].get("validate", {}).get("mean_s")
@@ -230,7 +269,6 @@ def _announcement_attack(batches: int, rounds: int, cache: Path | None) -> dict[
                     "stages",
                 )
             }
-            peer = attacker.record().peer_id
             result["attacker_score"] = round(validator_node.policy.score(peer), 1)
             result["attacker_banned"] = validator_node.policy.is_banned(peer)
             nursery.cancel_scope.cancel()
@@ -270,6 +308,8 @@ def _announcement_attack(batches: int, rounds: int, cache: Path | None) -> dict[
             "with": [run.get("not_judged", []) for run in runs[True]],
         },
         "offers_sent": [run["offers_sent"] for run in runs[True]],
+        "attacker_cpu_s": [run["attacker_cpu_s"] for run in runs[True]],
+        "attacker_process": "own",
         "validator_with": attacked["validator"],
         "attacker_score": [run["attacker_score"] for run in runs[True]],
         "attacker_banned": [run["attacker_banned"] for run in runs[True]],

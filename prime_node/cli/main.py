@@ -15,6 +15,7 @@ import typer
 
 from prime_node import __version__
 from prime_node.errors import NodeError
+from prime_node.warm_start.child import run_as_process
 
 # Each module defines ``register(app: typer.Typer) -> None``. Add one line per command module.
 COMMAND_MODULES = (
@@ -73,7 +74,18 @@ def build_app() -> typer.Typer:
 
 
 def main() -> None:
-    """Console-script entry point: our own errors become one line on stderr and exit status 1."""
+    """Console-script entry point (and ``python -m prime_node``): ``run_command``, then leave without
+    CPython's interpreter finalisation, as a warm-started process does (``warm_start.child.run_as_process``:
+    non-daemon threads joined, atexit run, streams flushed, the exit status kept). Tearing torch's and
+    transformers' modules down one by one costs ~2.5 CPU-s per process: on a loaded machine the demo's
+    nodes, stopped cleanly, were still in it when the supervisor SIGKILLed them 8 s after SIGTERM (issue
+    36), and the node's shutdown watchdog cannot fire then."""
+    run_as_process(run_command)
+
+
+def run_command() -> None:
+    """The command: our own errors become one line on stderr and exit status 1 (as SystemExit, so a test
+    can run it in its own process: tests/cli_in_process.py)."""
     from crypto.errors import CryptoError
     from protocol.errors import ProtocolError
 

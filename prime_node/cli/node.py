@@ -93,7 +93,7 @@ def join(
             raise NodeError(f"--adversary must be one of {', '.join(ATTACKS)}", reason="bad_config")
     key = node.key()
     from prime_node.node.runner import run_node_until_signal
-    from prime_node.roles.runner import RoleRunner, RoleSettings
+    from prime_node.roles.role_runner import RoleRunner, RoleSettings
     from prime_node.swarm.service import SwarmService, SwarmSettings
 
     swarm = SwarmService(

@@ -15,7 +15,7 @@ from prime_node.errors import NodeError
 from prime_node.node.data_dir_lock import check_data_dir_free
 from prime_node.roles.rendezvous import Rendezvous, parse_rendezvous
 from prime_node.roles.rendezvous import gloo_interface as find_interface
-from prime_node.roles.trainer_ranks import LaunchSpec, launch_networked, run_torchrun
+from prime_node.roles.trainer_launcher import LaunchSpec, launch_networked, run_torchrun
 
 if TYPE_CHECKING:
     from prime_node.hardware import GpuSelection
@@ -119,7 +119,7 @@ def run_trainer(
     from prime_node.ml.distributed import init_from_env
     from prime_node.ml.local_run import run_local
 
-    result = run_local(
+    run_local(  # each step's and each evaluation's line as it happens (issue 36: evaluations came last)
         run,
         dist=init_from_env(gpus),
         on_step=lambda m: typer.echo(
@@ -133,9 +133,10 @@ def run_trainer(
                 }
             )
         ),
+        on_eval=lambda point: typer.echo(
+            json.dumps({"eval_step": point.step, "heldout_greedy_accuracy": point.accuracy})
+        ),
     )
-    for point in result.evals:
-        typer.echo(json.dumps({"eval_step": point.step, "heldout_greedy_accuracy": point.accuracy}))
 
 
 _DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}

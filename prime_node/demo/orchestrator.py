@@ -178,7 +178,7 @@ class Demo:
         self.commands = commands or NodeCommands()
         self.say = say
         self.console = console
-        self.supervisor = Supervisor(child_env())
+        self.supervisor = Supervisor(child_env(), warm_start=True)
         self.snapshots: dict[str, dict[str, Any] | None] = {}
         self.plan: DemoPlan | None = None
         self.started = time.monotonic()

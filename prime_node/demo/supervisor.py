@@ -4,6 +4,11 @@ Every child leads a new session (so its own children share its process group, an
 terminal reaches only the demo, which then stops them in order). Stopping sends SIGTERM to each
 process group, waits up to a deadline, then SIGKILLs whatever is left. On Linux each child also asks
 the kernel for SIGTERM when the demo dies, so even a SIGKILLed demo leaves nothing running for long.
+
+With ``warm_start`` the prime-node commands are forked from a warm-start server (prime_node/warm_start)
+that imported torch, transformers and libp2p while the demo was setting up, instead of each importing
+them again: the same processes (their own sessions, real pids), started in a fraction of the CPU time.
+The server dies with the demo and takes its children with it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from pathlib import Path
 from types import TracebackType
 
 from prime_node.parent_death import death_signal_setter
+from prime_node.warm_start.launcher import WarmStart, enabled
+from prime_node.warm_start.process import WarmProcess
 
 STOP_DEADLINE_S = 8.0
 
@@ -30,7 +37,7 @@ class Child:
     name: str
     argv: tuple[str, ...]
     log_path: Path
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | WarmProcess
 
     @property
     def pid(self) -> int:
@@ -55,24 +62,38 @@ class Child:
 class Supervisor:
     """Starts children and guarantees they are gone when it is closed (also on any exception)."""
 
-    def __init__(self, env: Mapping[str, str] | None = None, *, stop_deadline_s: float = STOP_DEADLINE_S):
+    def __init__(
+        self,
+        env: Mapping[str, str] | None = None,
+        *,
+        stop_deadline_s: float = STOP_DEADLINE_S,
+        warm_start: bool = False,
+    ):
         self._env = dict(os.environ if env is None else env)
         self._stop_deadline_s = stop_deadline_s
         self.children: list[Child] = []
         self._preexec = death_signal_setter(signal.SIGTERM)
+        self._warm_start = warm_start and enabled(self._env)
+        self._warm: WarmStart | None = None
 
     def start(self, name: str, argv: Sequence[str], log_path: Path) -> Child:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log:
-            process = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._env,
-                start_new_session=True,
-                preexec_fn=self._preexec,  # noqa: PLW1509
-            )
+            process: subprocess.Popen[bytes] | WarmProcess | None = None
+            if self._warm is not None:
+                process = self._warm.popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self._env
+                )
+            if process is None:
+                process = subprocess.Popen(
+                    list(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self._env,
+                    start_new_session=True,
+                    preexec_fn=self._preexec,  # noqa: PLW1509
+                )
         child = Child(name, tuple(argv), log_path, process)
         self.children.append(child)
         return child
@@ -92,6 +113,9 @@ class Supervisor:
         held = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
         try:
             self._stop_all()
+            if self._warm is not None:
+                self._warm.close()
+                self._warm = None
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
@@ -109,6 +133,10 @@ class Supervisor:
                 child.process.wait()
 
     def __enter__(self) -> Supervisor:
+        """Inside the block children may be warm-started: the server starts importing now, while the
+        caller prepares what the children need."""
+        if self._warm_start and self._warm is None:
+            self._warm = WarmStart(self._env).start()
         return self
 
     def __exit__(

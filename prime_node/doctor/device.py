@@ -16,7 +16,7 @@ from prime_node.config.run import RunConfig
 from prime_node.doctor.report import FAIL, PASS, WARN, Check
 from prime_node.errors import NodeError
 from prime_node.hardware import GpuSelection, select_device
-from protocol.roles import HardwareProfile
+from protocol.resources import HardwareProfile
 
 if TYPE_CHECKING:
     from prime_node.ml.vram_plan import VramPlan

@@ -6,7 +6,8 @@ from typing import Final
 
 from prime_node.doctor.model_size import ModelEstimate
 from prime_node.doctor.report import FAIL, PASS, WARN, Check
-from protocol.roles import HardwareProfile, RolePolicyConfig, format_mib, inference_fit
+from protocol.resources import HardwareProfile, format_mib
+from protocol.roles import RolePolicyConfig, inference_fit
 
 MIN_RAM_MIB: Final = 2048
 """Below this even a seeder struggles: Python, libp2p and a loaded torch take ~1 GiB."""

@@ -2,7 +2,7 @@
 requirements the role policy reads.
 
 A joining node learns the model from the swarm (the pinned trainer's announcement, then the first
-checkpoint's size: ``prime_node.roles.runner.requirements_for``). With ``--run RUN@0xTRAINER,BOOTSTRAP``
+checkpoint's size: ``prime_node.roles.role_runner.requirements_for``). With ``--run RUN@0xTRAINER,BOOTSTRAP``
 the doctor learns both the same way (``run_model.learn_run``, ``from_run``); otherwise it reads
 ``--model DIR`` (a local Hugging Face directory) or ``--run-config FILE`` (its ``model_dir`` and
 ``async_level``), else assumes ``DEFAULT_PARAMS`` in bf16: a model a home GPU can serve, and the largest
@@ -20,15 +20,15 @@ from prime_node.doctor.run_model import RunModel
 from prime_node.errors import NodeError
 from prime_node.ml.vram_plan import ModelShape
 from prime_node.roles.choice import requirements_for_shape
-from prime_node.roles.runner import requirements_for
-from protocol.roles import RunRequirements
+from prime_node.roles.role_runner import requirements_for
+from protocol.resources import RunRequirements
 
 DEFAULT_PARAMS: Final = 1_500_000_000
 DEFAULT_DTYPE_BYTES: Final = 2
 DEFAULT_CONTEXT_TOKENS: Final = 2048
 JOIN_KEEP: Final = 3
 """``prime-node join`` keeps at least this many checkpoint versions (cli/node.py), and at least
-``async_level + 1`` once the run is known (roles/runner.py)."""
+``async_level + 1`` once the run is known (roles/role_runner.py)."""
 
 
 @dataclass(frozen=True)

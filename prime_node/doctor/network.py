@@ -28,7 +28,7 @@ from prime_node.node.clock import NodeClock
 from prime_node.p2p.libp2p_host import Libp2pHost, open_libp2p_host, parse_multiaddr
 from protocol.envelope import FreshnessWindow
 from protocol.probe import ClockEstimate
-from protocol.roles import format_mib
+from protocol.resources import format_mib
 
 log = logging.getLogger(__name__)
 MAX_SKEW_MS: Final = FreshnessWindow().max_skew_ms

@@ -8,13 +8,14 @@ from __future__ import annotations
 import dataclasses
 
 from prime_node.config import RunConfig
+from prime_node.cpu_compute import role_threads
 from prime_node.doctor.model_size import ModelEstimate
 from prime_node.doctor.report import FAIL, PASS, WARN, Check
 from prime_node.errors import NodeError
-from prime_node.hardware import role_threads
 from prime_node.roles.choice import decide_role
-from prime_node.roles.runner import RoleSettings, measured_profile
-from protocol.roles import SEEDER, HardwareProfile, RoleDecision, SwarmDemand
+from prime_node.roles.role_runner import RoleSettings, measured_profile
+from protocol.resources import HardwareProfile
+from protocol.roles import SEEDER, RoleDecision, SwarmDemand
 
 
 def join_profile(

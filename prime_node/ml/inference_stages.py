@@ -28,6 +28,8 @@ from prime_node.ml.engine import TorchEngine
 from prime_node.ml.inference_worker import STOP, handoff_path, parse_batch_message, read_message, step_notice
 from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch, with_tied_head
 from prime_node.tasks.base import TaskSource
+from prime_node.warm_start.launcher import WarmStart
+from prime_node.warm_start.process import WarmProcess
 from protocol.codec import decode, encode
 from protocol.rollouts import RolloutBatch
 
@@ -120,7 +122,13 @@ class ChildInference:
             "--device",
             device,
         ]
-        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        # Forked ready from a warm-start server when an owner named one (demo, test session): no import.
+        warm = WarmStart.attach(env)
+        pipe = subprocess.PIPE
+        process = None if warm is None else warm.popen(command, env=env, stdin=pipe, stdout=pipe)
+        self._process: subprocess.Popen[bytes] | WarmProcess = process or subprocess.Popen(
+            command, env=env, stdin=pipe, stdout=pipe
+        )
         self._lock = threading.Lock()
 
     def publish(self, step: int, weights: dict[str, torch.Tensor] | Path) -> None:

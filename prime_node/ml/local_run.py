@@ -91,11 +91,14 @@ def run_local(
     on_step: Callable[[StepMetrics], None] | None = None,
     evaluate: bool = True,
     stop_after_s: float | None = None,
+    on_eval: Callable[[EvalPoint], None] | None = None,
 ) -> LocalRunResult:
     """Train for ``config.max_steps`` steps (resuming from ``config.output_dir`` if it has checkpoints),
-    or until ``stop_after_s`` seconds of training (evaluation time excluded) have passed."""
+    or until ``stop_after_s`` seconds of training (evaluation time excluded) have passed. ``on_step`` and
+    ``on_eval`` see each step and each held-out evaluation as it happens (rank 0 alone evaluates), so a
+    caller can report them live rather than from the result at the end."""
     run = LocalRun(config, model_dir=model_dir, dist=dist or DistInfo(), evaluate=evaluate)
-    return run.run(on_step=on_step, stop_after_s=stop_after_s)
+    return run.run(on_step=on_step, stop_after_s=stop_after_s, on_eval=on_eval)
 
 
 class LocalRun:
@@ -162,15 +165,18 @@ class LocalRun:
         thread.start()
         return thread
 
-    def _eval(self, step: int) -> None:
+    def _eval(self, step: int, on_eval: Callable[[EvalPoint], None] | None) -> None:
         if not (self.evaluate and self.dist.is_main and self.session.eval_ids):
             return
         t0 = time.perf_counter()
         accuracy = self.session.evaluate(step)
         self.result.eval_wall_s += time.perf_counter() - t0
         elapsed = time.perf_counter() - self.began - self.result.eval_wall_s
-        self.result.evals.append(EvalPoint(step, elapsed, accuracy))
+        point = EvalPoint(step, elapsed, accuracy)
+        self.result.evals.append(point)
         log.info("step %d: held-out greedy accuracy %.3f", step, accuracy)
+        if on_eval is not None:
+            on_eval(point)
 
     def _batch_for(self, k: int) -> tuple[RolloutBatch, bytes]:
         """Batch k: replayed from the log or from the inference stage (rank 0 only)."""
@@ -216,7 +222,11 @@ class LocalRun:
         return self.result
 
     def run(
-        self, *, on_step: Callable[[StepMetrics], None] | None, stop_after_s: float | None
+        self,
+        *,
+        on_step: Callable[[StepMetrics], None] | None,
+        stop_after_s: float | None,
+        on_eval: Callable[[EvalPoint], None] | None = None,
     ) -> LocalRunResult:
         config = self.config
         if not self.dist.is_main:
@@ -227,7 +237,7 @@ class LocalRun:
                 return self.result
             inference = self._start_inference()
             self.began = time.perf_counter()
-            self._eval(self.start)
+            self._eval(self.start, on_eval)
             for k in range(self.start, config.max_steps):
                 metrics = self._step(k)
                 self.result.step_done_s.append(time.perf_counter() - self.began - self.result.eval_wall_s)
@@ -235,12 +245,12 @@ class LocalRun:
                     on_step(metrics)
                 step = self.session.step
                 if config.eval_every and step % config.eval_every == 0 and step < config.max_steps:
-                    self._eval(step)
+                    self._eval(step, on_eval)
                 busy = time.perf_counter() - self.began - self.result.eval_wall_s
                 if stop_after_s is not None and busy >= stop_after_s:
                     break
             self.result.train_wall_s = time.perf_counter() - self.began
-            self._eval(self.session.step)
+            self._eval(self.session.step, on_eval)
         finally:
             self.store.stop()
             if inference is not None:

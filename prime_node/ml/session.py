@@ -76,6 +76,7 @@ from prime_node.ml.fsdp import (
     training_mesh,
     write_safetensors_shards,
 )
+from prime_node.ml.prepared import Prepared, decode_prepared, encode_prepared, prepare
 from prime_node.ml.rollout_batch import with_tied_head
 from prime_node.ml.rollout_log import RolloutLog
 from prime_node.ml.sharded_checkpoint import (
@@ -86,14 +87,7 @@ from prime_node.ml.sharded_checkpoint import (
 )
 from prime_node.ml.sharded_load import load_sharded
 from prime_node.ml.tokenizer import load_tokenizer
-from prime_node.ml.trainer import (
-    GRPOTrainer,
-    Prepared,
-    StepMetrics,
-    decode_prepared,
-    encode_prepared,
-    prepare,
-)
+from prime_node.ml.trainer import GRPOTrainer, StepMetrics
 from prime_node.tasks.factory import build_task
 from protocol.codec import decode
 from protocol.errors import RemoteProtocolError
@@ -177,8 +171,11 @@ def _return_freed_blocks() -> None:
 
 class TrainingSession:
     """The model, optimizer, rollout log, checkpoint writers and evaluation engine of one run (see the
-    module doc). One call at a time, except that ``evaluate`` given weights (taken with ``weights``
-    beforehand) may run in another thread beside ``train``: it has its own engine and tokenizer.
+    module doc). One call at a time, except that these may run in another thread beside ``train``:
+    ``evaluate`` given weights (taken with ``weights`` beforehand: it has its own engine and tokenizer),
+    ``admit`` with a ``current_step`` (the task and tokenizer; ``train`` reads only the pad id), and
+    ``publish_policy`` of a step already trained (links to that step's own file, which no later step
+    writes: the networked trainer's publisher, ``roles/trainer_publisher.py``).
 
     ``base``: the base model directory (architecture, tokenizer and the step-0 weights; never pruned).
     ``device``: where the training model (and the evaluation engine) live; default ``dist.device`` (the
@@ -465,20 +462,26 @@ class TrainingSession:
         """Rank 0: ``OUT/policies/step_N``, the directory the networked trainer shares: the files peers
         need, the weights a hard link to the policy's one file (``policy_file``; read and converted
         only when that is gone, e.g. a checkpoint written in another dtype). Older ones beyond what
-        peers may still fetch are removed."""
+        peers may still fetch are removed. It may run beside ``train``, whose staging pruning can
+        remove the file between the look and the link: then it looks once more (the checkpoint)."""
         root = self.config.output_dir / "policies"
-        source: Path | Weights
         try:
-            source = self.policy_file(step)
+            final = write_policy_dir(root, step, self._policy_source(step), self.base)
+        except FileNotFoundError:
+            final = write_policy_dir(root, step, self._policy_source(step), self.base)
+        prune_step_dirs(root, step, self.config.checkpoints_to_keep + 2)
+        return final
+
+    def _policy_source(self, step: int) -> Path | Weights:
+        """``policy_file(step)``, or its weights read and converted to the published dtype."""
+        try:
+            return self.policy_file(step)
         except NodeError:
             dtype = getattr(torch, self.config.published_dtype)
-            source = {
+            return {
                 name: tensor.to(dtype).contiguous() if tensor.is_floating_point() else tensor
                 for name, tensor in self.weights(step).items()
             }
-        final = write_policy_dir(root, step, source, self.base)
-        prune_step_dirs(root, step, self.config.checkpoints_to_keep + 2)
-        return final
 
     def evaluate(self, policy: int | Weights) -> float:
         """Held-out greedy accuracy in [0, 1] of policy ``policy`` (a step or its weights) over the run's

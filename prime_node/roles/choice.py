@@ -15,15 +15,8 @@ from typing import TYPE_CHECKING, Final
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from protocol.errors import LocalProtocolError
-from protocol.roles import (
-    HardwareProfile,
-    RoleDecision,
-    RolePolicyConfig,
-    RoleState,
-    RunRequirements,
-    SwarmDemand,
-    choose_role,
-)
+from protocol.resources import HardwareProfile, RunRequirements
+from protocol.roles import RoleDecision, RolePolicyConfig, RoleState, SwarmDemand, choose_role
 
 if TYPE_CHECKING:
     from prime_node.ml.vram_plan import ModelShape

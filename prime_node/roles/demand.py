@@ -1,6 +1,7 @@
 """The trainer's demand on the network (issue 38; the message and its rules: protocol/demand.py).
 
-Trainer side: ``plan_demand`` turns the trainer's queue into what it still wants (pure), and
+Trainer side: ``plan_demand`` turns the trainer's queue into what it still wants (pure), ``TrainerWants``
+keeps the counts it plans from (batches trained and being admitted per policy, the time per step), and
 ``DemandPublisher`` signs and gossips it on topic ``demand`` when it changes (at most every
 ``min_interval_s``, gossip's own publish limit being 10 messages/s per topic) and every ``period_s``
 (gossip is lossy and a late joiner must learn it).
@@ -14,6 +15,7 @@ inferers) and ``wait_changed``. One view per node, shared by the role's services
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +38,11 @@ DEMAND_PERIOD_S = 2.0
 DEMAND_MIN_INTERVAL_S = 0.2
 """Seconds at least between two demand gossips."""
 MAX_DEMAND_AGE_S = 15.0
+"""A demand not renewed for this long counts as none heard (the trainer renews it every period)."""
 DEMAND_DEPTH = 2
 """Steps' worth of batches the trainer wants queued at most (enough to train on while the next arrive)."""
-"""A demand not renewed for this long counts as none heard (the trainer renews it every period)."""
+STEP_MS_WEIGHT = 0.2
+"""Weight of the newest step interval in the demand's ``step_ms`` (an exponential mean)."""
 
 
 def plan_demand(
@@ -60,7 +64,8 @@ def plan_demand(
     and all wants together fill the queue to ``depth`` steps' worth at most, newest policies first: a
     batch beyond that would only wait in the queue while newer ones are made, and go stale there
     (measured: 307 of 681 batches, issue 38). ``fresh`` (wants of each policy newer than ``step``) shares
-    that room.
+    that room. ``step`` may be trained and not shared yet (the trainer shares a policy while it trains
+    the next): its wants hold its place in the queue, and no inferer can start it before it is shared.
     """
     floor = max(0, min(step, step + queued_steps - async_level))
     top = min(step, floor + MAX_WANTED - 1)
@@ -72,6 +77,52 @@ def plan_demand(
         wanted[policy - floor] = take
         room -= take
     return floor, tuple(wanted), fresh
+
+
+class TrainerWants:
+    """The trainer's side of the counts ``plan_demand`` takes, beside its queue (``StepGatherer``):
+    batches trained per recent policy step, batches being admitted, and the recent time per step."""
+
+    def __init__(self, async_level: int) -> None:
+        self.async_level = async_level
+        self.trained: Counter[int] = Counter()
+        """Batches trained per policy step (the recent ones; the demand counts them as had)."""
+        self.admitting: Counter[int] = Counter()
+        """Batches being admitted per policy step (had, while they wait for admission)."""
+        self.step_ms = 0.0
+        self._last_step_at: float | None = None
+
+    def admit_ended(self, policy: int) -> None:
+        self.admitting[policy] -= 1
+        if self.admitting[policy] <= 0:
+            del self.admitting[policy]
+
+    def stepped(self, step: int, now: float) -> None:
+        """Step ``step`` ended at ``now``: its interval into ``step_ms``, old policies out of ``trained``."""
+        if self._last_step_at is not None:
+            interval_ms = (now - self._last_step_at) * 1000
+            self.step_ms = (
+                interval_ms
+                if self.step_ms <= 0
+                else (1 - STEP_MS_WEIGHT) * self.step_ms + STEP_MS_WEIGHT * interval_ms
+            )
+        self._last_step_at = now
+        for policy in [p for p in self.trained if p < step - self.async_level]:
+            del self.trained[policy]
+
+    def current(
+        self, *, step: int, queued: Mapping[int, int], queued_steps: int
+    ) -> tuple[int, int, tuple[int, ...], int, int]:
+        """(step, floor, wanted, step_ms, fresh) for ``DemandPublisher``: ``queued`` batches per policy
+        and ``queued_steps`` steps' worth in the trainer's queue."""
+        have = self.trained + Counter(queued) + self.admitting
+        floor, wanted, fresh = plan_demand(
+            step=step,
+            async_level=self.async_level,
+            have=have,
+            queued_steps=queued_steps + sum(self.admitting.values()),
+        )
+        return step, floor, wanted, round(self.step_ms), fresh
 
 
 class DemandPublisher:

@@ -21,22 +21,15 @@ batches are counted for the status section "rollouts" (and any rejection charges
 
 A batch frame small enough for gossip rides it whole; a bigger one (up to the run's
 ``max_rollout_batch_bytes``) is held by the service's ``BatchTransfer`` and announced, and validators and
-the trainer fetch it over the data plane (prime_node/verification/topics.py).
+the trainer fetch it over the data plane (prime_node/verification/batch_publish.py).
 
-On a GPU it plans memory before loading (``ml/vram_plan.py``): a run batch that does not fit is generated
-in smaller chunks (the samples stay the same: each is seeded on its own), a model that does not fit at
-all is refused with the numbers. Generation runs through ``ml/oom_retry.py``'s ``ChunkedEngine``, which
-halves the chunk on an out-of-memory error: a batch is published whole or not at all.
-
-What it publishes for each batch comes from a ``RolloutProducer``: ``HonestProducer`` unless whoever
-builds the service passes another one — the demo's cheating inferer passes a ``CheatingProducer``
-(prime_node/verification/cheating.py), whose every batch validators must reject.
+The model work (loading on the chosen device with a VRAM plan, switching weights, making a batch's frames
+through a ``RolloutProducer``) is ``InfererModel``'s (inferer_model.py), run in worker threads.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -46,31 +39,22 @@ import trio
 
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
+from prime_node.cpu_compute import default_threads
 from prime_node.errors import NodeError
-from prime_node.hardware import default_threads
-from prime_node.ml.engines import load_engine
-from prime_node.ml.evaluation import encode_prompt
-from prime_node.ml.oom_retry import ChunkedEngine, cuda_free_bytes
-from prime_node.ml.rollout_batch import make_batch, with_tied_head
-from prime_node.ml.tokenizer import load_tokenizer
-from prime_node.ml.vram_plan import GenerationSettings, model_shape, plan_generation
+from prime_node.ml.oom_retry import cuda_free_bytes
 from prime_node.node.stage_times import StageTimes
-from prime_node.tasks.factory import build_task
-from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings
-from prime_node.verification.proofs import build_proofs
-from prime_node.verification.proving import seal_batch
+from prime_node.roles.inferer_model import HonestProducer, InfererModel, RolloutProducer
+from prime_node.verification.batch_publish import VERDICTS_TOPIC, publish_frame
+from prime_node.verification.batch_transfer import BatchTransfer
 from prime_node.verification.reputation import ReputationService
-from prime_node.verification.topics import VERDICTS_TOPIC, publish_frame
-from protocol.codec import encode
+from prime_node.verification.transfer_settings import TransferSettings
 from protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
-    from prime_node.ml.engine import InferenceEngine
     from prime_node.ml.vram_plan import VramPlan
     from prime_node.node.context import NodeContext
     from prime_node.node.gossip import Delivered
     from prime_node.roles.demand import DemandView
-    from prime_node.tasks.base import TaskSource
     from prime_node.verification.batch_transfer import BatchTransfer
 
 log = logging.getLogger(__name__)
@@ -79,97 +63,12 @@ ETA_WEIGHT = 0.3
 """Weight of the newest measurement in the generation and verdict round-trip means."""
 
 
-PROMPT_SAMPLE = 256
-"""Train prompts measured for the VRAM plan's prompt length (a longer one is left to the OOM retry)."""
-
-
-def longest_prompt(task: TaskSource, tokenizer: Any, sample: int = PROMPT_SAMPLE) -> int:
-    """Tokens in the longest of the task's first ``sample`` train prompts."""
-
-    ids = task.train_ids()[:sample]
-    return max((len(encode_prompt(tokenizer, task.prompt(i))) for i in ids), default=1)
-
-
 class PolicySource(Protocol):
     """The part of the weight swarm an inferer uses."""
 
     def newest(self) -> tuple[int, Path] | None: ...
 
     async def wait_newer(self, than: int | None) -> tuple[int, Path]: ...
-
-
-class RolloutProducer(Protocol):
-    """Turns the policy an inferer holds into the signed frames it gossips for one batch counter.
-
-    Called in a worker thread. ``adversary`` names the attack a cheating producer makes (None when
-    honest), for the status section."""
-
-    @property
-    def adversary(self) -> str | None: ...
-
-    def frames(
-        self,
-        *,
-        engine: InferenceEngine,
-        tokenizer: Any,
-        task: TaskSource,
-        policy_step: int,
-        counter: int,
-        now_ms: int,
-    ) -> list[bytes]: ...
-
-
-class HonestProducer:
-    """The scheduled batch with its TOPLOC proofs, sealed with the worker's key: one frame per counter.
-
-    Times each stage (generate, prove, sign) into ``stages``."""
-
-    adversary: str | None = None
-
-    def __init__(self, *, key: WalletKey, run_config: RunConfig, stages: StageTimes) -> None:
-        self.key = key
-        self.config = run_config
-        self.stages = stages
-
-    def frames(
-        self,
-        *,
-        engine: InferenceEngine,
-        tokenizer: Any,
-        task: TaskSource,
-        policy_step: int,
-        counter: int,
-        now_ms: int,
-    ) -> list[bytes]:
-        import torch
-
-        proving = 0.0
-
-        def timed_proofs(hiddens: list[torch.Tensor]) -> list[bytes]:
-            nonlocal proving
-            began = time.perf_counter()
-            try:
-                return build_proofs(hiddens)
-            finally:
-                proving = time.perf_counter() - began
-
-        began = time.perf_counter()
-        batch = make_batch(
-            engine,
-            task,
-            tokenizer,
-            self.config,
-            worker=self.key.address,
-            policy_step=policy_step,
-            batch_counter=counter,
-            prove=timed_proofs,
-        )
-        made = time.perf_counter()
-        frame = encode(seal_batch(self.key, batch, now_ms=now_ms))
-        self.stages.add("generate", made - began - proving)
-        self.stages.add("prove", proving)
-        self.stages.add("sign", time.perf_counter() - made)
-        return [frame]
 
 
 class InfererService:
@@ -194,11 +93,6 @@ class InfererService:
         self.key = key
         self.device = device
         """Where the engine computes (``hardware.select_device``)."""
-        self.threads = threads or default_threads()
-        """Torch threads of the model work: the cores the node gives its role (``join --threads``)."""
-        self.free_vram = free_vram or cuda_free_bytes
-        """Free memory of a CUDA device, for the VRAM plan (tests pass synthetic sizes)."""
-        self.vram_plan: VramPlan | None = None
         self.config = run_config
         self.swarm = swarm
         self.batches_per_policy = batches_per_policy
@@ -222,10 +116,15 @@ class InfererService:
             if producer is None
             else producer
         )
+        self.model = InfererModel(
+            run_config,
+            producer=self.producer,
+            device=device,
+            threads=threads or default_threads(),  # the cores the node gives its role (``join --threads``)
+            free_vram=free_vram or cuda_free_bytes,
+        )
+        """The engine and its work, in worker threads (inferer_model.py)."""
         self.mine: dict[bytes, int] = {}
-        self._engine: Any = None
-        self._tokenizer: Any = None
-        self._task: Any = None
         self._reputation: Any = None
         self.transfer: BatchTransfer | None = None
         """Serves this inferer's large batches over the data plane (built when the service runs)."""
@@ -260,8 +159,12 @@ class InfererService:
             "transfer": self.transfer.status() if self.transfer is not None else {},
             "device": self.device,
             "vram_plan": self.vram_plan.describe() if self.vram_plan is not None else None,
-            "chunk": getattr(self._engine, "max_batch", None),
+            "chunk": getattr(self.model.engine, "max_batch", None),
         }
+
+    @property
+    def vram_plan(self) -> VramPlan | None:
+        return self.model.vram_plan
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
 
@@ -468,63 +371,20 @@ class InfererService:
             for reason in verdict.reasons:
                 self.rejected[reason] += 1
 
-    # -- model work (worker threads) -----------------------------------------------------------------
+    # -- model work (worker threads: inferer_model.py) -------------------------------------------------
 
     def _load(self, step: int, path: Path) -> None:
-        import torch
-
-        torch.set_num_threads(self.threads)  # torch keeps the count per OS thread
-        self._tokenizer = load_tokenizer(path)
-        self._task = build_task(self.config.task)
-        config = self.config
-        max_batch = None
-        if self.device.startswith("cuda"):  # plan before loading: refuse or shrink, never crash mid-run
-            self.vram_plan = self.plan_vram(path)
-            max_batch = self.vram_plan.require()
-            log.info("inferer VRAM plan: %s", self.vram_plan.describe())
-        engine = load_engine(
-            path,
-            self._tokenizer,
-            engine=config.engine,
-            dtype=config.inference_dtype,
-            device=self.device,
-            policy_step=step,
-        )
-        self._engine = ChunkedEngine(engine, max_batch=max_batch)
+        self.model.load(step, path)
         self.policy_step = step
         log.info("inferer loaded policy %d from %s on %s", step, path, self.device)
 
-    def plan_vram(self, path: Path) -> VramPlan:
-        """The generation plan for the model in ``path`` on this inferer's device (``ml/vram_plan.py``)."""
-
-        settings = GenerationSettings(
-            batch=self.config.samples_per_step,
-            prompt_tokens=longest_prompt(self._task, self._tokenizer),
-            max_new_tokens=self.config.max_new_tokens,
-            dtype=self.config.inference_dtype,
-        )
-        return plan_generation(model_shape(path), settings, self.free_vram(self.device), device=self.device)
-
     def _switch(self, step: int, path: Path) -> None:
-        from prime_node.ml.checkpoint import read_weights
-
-        weights = read_weights(path)
-        self._engine.load_weights(with_tied_head(self._engine.model, weights), step)
+        self.model.switch(step, path)
         self.policy_step = step
 
     def _make_frames(self, counter: int, now_ms: int) -> list[bytes]:
-        import torch
-
-        torch.set_num_threads(self.threads)  # torch keeps the count per OS thread
         assert self.policy_step is not None
-        return self.producer.frames(
-            engine=self._engine,
-            tokenizer=self._tokenizer,
-            task=self._task,
-            policy_step=self.policy_step,
-            counter=counter,
-            now_ms=now_ms,
-        )
+        return self.model.frames(self.policy_step, counter, now_ms)
 
 
 def _mean(mean: float, value: float) -> float:

@@ -9,12 +9,16 @@ by ``prepare`` (run, shape, prompts, rewards recomputed; stale ones refused) and
 drives too (``prime_node.ml.session``:
 resume, replaying the logged steps after the newest training state, the fsynced rollout log before the
 step, checkpoints, evaluation), then shares the new policy's Hugging Face directory (written by the
-session, a hard link to the same file as its checkpoint). Held-out greedy accuracy is measured on the
-session's separate engine every ``eval_every`` steps without stopping the loop. Model work runs in worker
-threads (one at a time for the training model, with the run's ``threads`` or every core this process may
-use: ``trainer_threads``; the evaluation beside it on one) so the node keeps serving
-pieces and gossip; under torchrun (``TrainerOptions.dist``) this is rank 0, and the step's collectives
-with the other ranks happen in the same worker thread as the step.
+session, a hard link to the same file as its checkpoint). No stage waits for another (issue 38): the
+intake admits the next step's batches while a step trains (admission needs the task and tokenizer, not
+the model), a step starts as soon as its batches are queued, and each new policy goes to the one
+publisher (``roles/trainer_publisher.py``), which writes and shares it while the next step trains.
+Held-out greedy accuracy is measured on the session's separate engine every ``eval_every`` steps
+without stopping the loop (``roles/trainer_eval.py``). Model work runs in worker threads (one step at a
+time, with the run's ``threads`` or every core this process may use: ``trainer_threads``; the
+evaluation beside it on one) so the node keeps serving pieces and gossip; under torchrun
+(``TrainerOptions.dist``) this is rank 0, and the step's collectives with the other ranks happen in the
+same worker thread as the step.
 
 Only the holder of the run's trainer key runs this (checked before anything starts).
 """
@@ -31,41 +35,26 @@ import trio
 
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
+from prime_node.cpu_compute import default_threads
 from prime_node.errors import NodeError
-from prime_node.hardware import default_threads
 from prime_node.node.context import RecordPart
 from prime_node.node.stage_times import StageTimes
-from prime_node.roles.demand import DemandPublisher, plan_demand
+from prime_node.roles.demand import DemandPublisher, TrainerWants
 from prime_node.roles.gather import STALE_IN_QUEUE, Candidate, StepGatherer
-from prime_node.roles.publish_stats import PublishStats
+from prime_node.roles.trainer_eval import HeldOutEvaluator
+from prime_node.roles.trainer_publisher import PolicyPublisher, Sharer, Timing
 from protocol.codec import encode
 
 if TYPE_CHECKING:
     from prime_node.ml.distributed import DistInfo
-    from prime_node.ml.session import TrainingSession, Weights
-    from prime_node.ml.trainer import Prepared, StepMetrics
+    from prime_node.ml.prepared import Prepared
+    from prime_node.ml.session import TrainingSession
+    from prime_node.ml.trainer import StepMetrics
     from prime_node.node.context import NodeContext
-    from prime_node.swarm.delta_versions import Published
     from protocol.rollouts import RolloutBatch
 
 log = logging.getLogger(__name__)
 MAX_CURVE_POINTS = 512
-STEP_MS_WEIGHT = 0.2
-"""Weight of the newest step interval in the demand's ``step_ms`` (an exponential mean)."""
-
-
-class Sharer(Protocol):
-    """The part of the weight swarm the trainer uses (``prime_node.swarm.service.SwarmService``)."""
-
-    async def publish(
-        self,
-        directory: Path,
-        *,
-        step: int,
-        delta_base: Path | None = None,
-        snapshot: bool = False,
-        max_delta_share: float = 0.5,
-    ) -> Published: ...
 
 
 class AcceptedSource(Protocol):
@@ -94,17 +83,6 @@ class _Queued:
     frame: bytes
     worker: str
     accepted_at: float
-
-
-@dataclass
-class Timing:
-    """Where the trainer's wall time goes (seconds), for benchmarks and the status section."""
-
-    waiting_s: float = 0.0
-    train_s: float = 0.0
-    write_s: float = 0.0
-    share_s: float = 0.0
-    eval_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -155,7 +133,6 @@ class TrainerService:
         self.base = model_dir or self.config.model_dir
         if self.base is None:
             raise NodeError("no model: pass --model or set model_dir in the run config", reason="bad_config")
-        self.swarm = swarm
         self.admission = admission
         self.stop_when_done = stop_when_done
         self.on_step = on_step
@@ -170,34 +147,48 @@ class TrainerService:
         self.batches_trained = 0
         self.rejected: Counter[str] = Counter()
         self.by_worker: Counter[str] = Counter()
-        self.checkpoints_shared = 0
-        self.publishing = PublishStats()
-        self._last_published: Path | None = None
-        """The previous policy directory the swarm holds: the base of the next delta."""
         self.timing = Timing()
         self.stages = StageTimes()
+        self.publisher = PolicyPublisher(
+            config=self.config,
+            swarm=swarm,
+            write=self._write_policy,
+            timing=self.timing,
+            stages=self.stages,
+            on_published=lambda _: self._demand_changed(),
+        )
         self.started_at = 0.0
         self.first_step_at: float | None = None
         self._first_train_at: float | None = None
         self.done = trio.Event()
         self._arrived = trio.Event()
         self._model_lock = trio.CapacityLimiter(1)
-        self._eval_done: trio.Event | None = None
-        """Set when the held-out evaluation in flight ends (None: none is running)."""
+        self.evaluator = HeldOutEvaluator(
+            eval_tasks=self.config.eval_tasks, timing=self.timing, held_out=self.held_out
+        )
         self.session: TrainingSession | None = None
         self.stopped_ranks = False
         """``close`` ended the session cleanly on every rank (the ranks may meet in a last barrier)."""
-        self.trained_by_policy: Counter[int] = Counter()
-        """Batches trained per policy step (the recent ones; the demand counts them as had)."""
-        self._admitting: Counter[int] = Counter()
-        self.step_ms = 0.0
-        self._last_step_at: float | None = None
+        self.wants = TrainerWants(self.config.async_level)
         self.train_after_first_s = 0.0
         self.demand = (
             DemandPublisher(key=key, run_id=self.config.run_id, current=self.demand_now)
             if options.demand
             else None
         )
+
+    @property
+    def swarm(self) -> Sharer:
+        """Where policies are shared (the publisher's)."""
+        return self.publisher.swarm
+
+    @swarm.setter
+    def swarm(self, swarm: Sharer) -> None:
+        self.publisher.swarm = swarm
+
+    @property
+    def checkpoints_shared(self) -> int:
+        return self.publisher.shared
 
     # -- status --------------------------------------------------------------------------------------
 
@@ -225,7 +216,7 @@ class TrainerService:
             "batches_rejected": dict(rejected),
             "accepted_by_worker": dict(self.by_worker),
             "checkpoints_shared": self.checkpoints_shared,
-            "publishing": self.publishing.summary(),
+            "publishing": self.publisher.status(),
             "queued": len(self.gatherer),
             "steps_per_s": round(rate, 3),
             "time_s": {k: round(v, 2) for k, v in asdict(self.timing).items()},
@@ -245,13 +236,11 @@ class TrainerService:
     # -- demand (issue 38) ---------------------------------------------------------------------------
 
     def demand_now(self) -> tuple[int, int, tuple[int, ...], int, int]:
-        """(step, floor, wanted, step_ms, fresh) for the demand publisher (``roles/demand.py``)."""
-        have = self.trained_by_policy + self.gatherer.by_policy() + self._admitting
-        queued_steps = self.gatherer.queued_steps() + sum(self._admitting.values())
-        floor, wanted, fresh = plan_demand(
-            step=self.step, async_level=self.config.async_level, have=have, queued_steps=queued_steps
+        """(step, floor, wanted, step_ms, fresh) for the demand publisher (``roles/demand.py``): the step
+        trained last, even while its policy is being shared (it is wanted the moment it is out)."""
+        return self.wants.current(
+            step=self.step, queued=self.gatherer.by_policy(), queued_steps=self.gatherer.queued_steps()
         )
-        return self.step, floor, wanted, round(self.step_ms), fresh
 
     def _demand_changed(self) -> None:
         if self.demand is not None:
@@ -268,19 +257,20 @@ class TrainerService:
         self.start_step = self.session.step
         await trio.to_thread.run_sync(self._replay, limiter=self._model_lock)
         self.step = self.session.step
-        policy = await trio.to_thread.run_sync(self._write_policy, self.step)
-        await self._share(policy, self.step)
+        await self.publisher.publish(self.step)  # ready once the starting policy is shared
         context.add_status_section("training", self.status)
         async with trio.open_nursery() as nursery:
             if self.demand is not None:
                 await nursery.start(self.demand.run, context)
             task_status.started()
+            nursery.start_soon(self.publisher.run)
             nursery.start_soon(self._intake)
             if self.evaluate:
-                self._start_eval(nursery, self.step)
+                self.evaluator.start(nursery, self.session, self.step)
             await self._train_loop(nursery)
+            await self.publisher.flush()  # the last policy is out before the run is done
             if self.evaluate:
-                await self._final_eval()
+                await self.evaluator.final(self.session, self.step)
             self.done.set()
             log.info("trainer reached max_steps %d", self.config.max_steps)
             if self.stop_when_done:
@@ -307,21 +297,17 @@ class TrainerService:
             if self.step >= self.config.max_steps:
                 continue
             admitting = trio.current_time()
-            self._admitting[batch.policy_step] += 1  # had, for the demand, while it waits for the model
+            self.wants.admitting[batch.policy_step] += 1  # had, for the demand, while it is admitted
             self._demand_changed()
-            try:
-                prepared, frame = await trio.to_thread.run_sync(
-                    self._prepare, batch, limiter=self._model_lock
-                )
+            try:  # beside a step in training: admission needs no model
+                prepared, frame = await trio.to_thread.run_sync(self._prepare, batch)
                 self.stages.add("admit", trio.current_time() - admitting)
             except NodeError as exc:
                 self.rejected[exc.reason] += 1
                 log.info("trainer refused an accepted batch from %s: %s", worker, exc)
                 continue
             finally:
-                self._admitting[batch.policy_step] -= 1
-                if self._admitting[batch.policy_step] <= 0:
-                    del self._admitting[batch.policy_step]
+                self.wants.admit_ended(batch.policy_step)
                 self._demand_changed()
             self.batches_accepted += 1
             if not self.gatherer.add(
@@ -364,46 +350,27 @@ class TrainerService:
             if self._first_train_at is None:
                 self._first_train_at = t0
             for item in queued:
-                self.trained_by_policy[item.prepared.policy_step] += 1
+                self.wants.trained[item.prepared.policy_step] += 1
             metrics = await trio.to_thread.run_sync(self._train, queued, limiter=self._model_lock)
             t1 = trio.current_time()
             self.train_after_first_s += t1 - t0
-            policy = await trio.to_thread.run_sync(self._write_policy, metrics.step)
-            t2 = trio.current_time()
             self.step = metrics.step
+            self.publisher.offer(metrics.step, t1)  # written and shared while the next step trains
             for item in queued:
                 self.by_worker[item.worker] += 1
             self.batches_trained += len(queued)
             self._note(metrics)
-            await self._share(policy, metrics.step)
-            t3 = trio.current_time()
             self.timing.train_s += t1 - t0
-            self.timing.write_s += t2 - t1
-            self.timing.share_s += t3 - t2
             self.stages.add("train", t1 - t0)
-            self.stages.add("write_share", t3 - t1)
-            self._stepped(t3)
+            self.wants.stepped(self.step, t1)
+            self._demand_changed()
             if self.first_step_at is None:
-                self.first_step_at = t3
+                self.first_step_at = t1
             if self.on_step is not None:
                 self.on_step(metrics)
             if self.evaluate and config.eval_every and self.step % config.eval_every == 0:
-                self._start_eval(nursery, self.step)
-
-    def _stepped(self, now: float) -> None:
-        """A step ended: its interval into ``step_ms``, old policies out of ``trained_by_policy``."""
-        if self._last_step_at is not None:
-            interval_ms = (now - self._last_step_at) * 1000
-            self.step_ms = (
-                interval_ms
-                if self.step_ms <= 0
-                else (1 - STEP_MS_WEIGHT) * self.step_ms + STEP_MS_WEIGHT * interval_ms
-            )
-        self._last_step_at = now
-        low = self.step - self.config.async_level
-        for policy in [p for p in self.trained_by_policy if p < low]:
-            del self.trained_by_policy[policy]
-        self._demand_changed()
+                assert self.session is not None
+                self.evaluator.start(nursery, self.session, self.step)
 
     async def _fill(self) -> None:
         """Give a started step up to ``fill_wait_s`` to reach ``prompts_per_step`` groups."""
@@ -456,67 +423,8 @@ class TrainerService:
         return len(done)
 
     async def _share(self, directory: Path, step: int) -> None:
-        """Publish policy ``step``: a delta against the previous policy, or a full snapshot every
-        ``delta_snapshot_every`` steps and whenever the delta would not be small (the swarm decides)."""
-        snapshot = self._last_published is None or step % self.config.delta_snapshot_every == 0
-        try:
-            published = await self.swarm.publish(
-                directory,
-                step=step,
-                delta_base=self._last_published,
-                snapshot=snapshot,
-                max_delta_share=self.config.delta_max_share,
-            )
-        except NodeError as exc:
-            log.warning("sharing policy %d failed: %s", step, exc)
-            return
-        self._last_published = directory
-        self.checkpoints_shared += 1
-        self.publishing.add(published)
-        log.info(
-            "policy %d published as %s (%s): %d bytes on the wire of %d",
-            step,
-            "a delta" if published.delta is not None else "a full checkpoint",
-            published.reason,
-            published.delta_bytes if published.delta is not None else published.full_bytes,
-            published.full_bytes,
-        )
-
-    # -- held-out evaluation -------------------------------------------------------------------------
-
-    def _start_eval(self, nursery: trio.Nursery, step: int) -> None:
-        if self._eval_done is not None or not self.config.eval_tasks:
-            return
-        self._eval_done = trio.Event()
-        assert self.session is not None
-        nursery.start_soon(self._eval, step, self.session.weights(step))
-
-    async def _eval(self, step: int, weights: Weights) -> None:
-        t0 = trio.current_time()
-        try:
-            accuracy = await trio.to_thread.run_sync(self._evaluate, weights)
-        finally:
-            done, self._eval_done = self._eval_done, None
-            if done is not None:
-                done.set()
-        self.timing.eval_s += trio.current_time() - t0
-        self.held_out.append([step, round(accuracy, 4)])
-        log.info("step %d: held-out greedy accuracy %.3f", step, accuracy)
-
-    async def _final_eval(self) -> None:
-        if self._eval_done is not None:
-            await self._eval_done.wait()
-        if not self.held_out or self.held_out[-1][0] != self.step:
-            self._eval_done = trio.Event()
-            assert self.session is not None
-            await self._eval(self.step, self.session.weights(self.step))
-
-    def _evaluate(self, weights: Weights) -> float:
-        import torch
-
-        torch.set_num_threads(1)  # runs beside training: a second full pool would steal its cores
-        assert self.session is not None
-        return self.session.evaluate(weights)
+        """Share policy ``step`` now (``PolicyPublisher.share``; the loop offers policies instead)."""
+        await self.publisher.share(directory, step)
 
     def close(self) -> None:
         """Stop the other ranks, if any, and flush the checkpoint writer (the CLI calls this on shutdown)."""

@@ -5,10 +5,12 @@ frame names its manifest id and is routed to that version's transfer. Who offere
 we wait for, which versions to follow and which to drop is decided by the sans-IO catalogue
 (protocol/swarm/catalogue.py). This service composes the parts that do the I/O around it:
 
-- ``VersionExchange`` (exchange.py): the data plane, offers and manifest requests, frame routing, bans;
+- ``VersionExchange`` (version_exchange.py): the data plane, offers, manifest requests, frame routing, bans;
 - ``Holdings`` (holdings.py): the versions held, their transfers, stores and files (store_layout.py);
 - ``keep_neighbours`` (neighbours.py): which members to connect to;
-- here: gossip announcements, sharing, fetching, following and restoring after a restart.
+- ``Publisher`` (publishing.py): sharing and publishing a step, with its delta, and announcing it;
+- ``Fetcher`` (fetching.py): fetching a version by id, and following the trainer's versions;
+- here: hearing announcements, finishing and dropping versions, and restoring after a restart.
 
 Only manifests whose envelope the run's trainer signed are accepted (``fetch`` by id also accepts an
 id-pinned manifest when no trainer is configured). The trainer announces each version on the gossip
@@ -17,26 +19,21 @@ with ``follow`` a node fetches every trainer-signed version it hears of by itsel
 keeps the newest ``keep`` complete versions (K = async level + 1). A restarted node re-serves complete
 versions and resumes unfinished ones from their verified pieces.
 
-Deltas (docs/weight-swarm.md, "Deltas"): ``publish`` always builds, signs and seeds the full version of a
-step and, given the directory of a full version it holds as the base, also a delta version, encoded in
-the background and announced instead of the full one when it is small enough and ready within
-``DELTA_WAIT`` of it (else after it: a slow delta never delays a policy; docs/deltas.md). A peer given
-a delta (followed, or ``fetch`` of its id) rebuilds the full version from a full version it holds,
-through a chain of known deltas if need be, checks it piece by piece against the target's own signed
-manifest and then holds and serves that full version; when no chain reaches a held version, or a delta
-does not rebuild the target (``bad_delta``), it fetches the full version instead. Which way, and which
-obtain builds which version, is the sans-IO planner's (protocol/swarm/rebuild.py); ``DeltaChain``
-(delta_chain.py) carries its plans out. ``locate``, ``newest`` and ``wait_newer`` only ever name full
-directories.
+Deltas (docs/weight-swarm.md, "Deltas"): ``publish`` seeds the full version of a step and, given a held
+base, may announce a delta version instead (publishing.py). A peer given a delta (followed, or ``fetch``
+of its id) rebuilds the full version from a full version it holds, through a chain of known deltas if
+need be, checks it piece by piece against the target's own signed manifest and then holds and serves
+that full version; when no chain reaches a held version, or a delta does not rebuild the target
+(``bad_delta``), it fetches the full version instead. Which way, and which obtain builds which version,
+is the sans-IO planner's (protocol/swarm/rebuild.py); ``DeltaChain`` (delta_chain.py) carries its plans
+out. ``locate``, ``newest`` and ``wait_newer`` only ever name full directories.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import shutil
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,24 +46,23 @@ from prime_node.errors import NodeError
 from prime_node.node.clock import NodeClock
 from prime_node.node.context import NodeContext, RecordPart
 from prime_node.node.gossip import Delivered
-from prime_node.swarm.checkpoint_pieces import SharedCheckpoint, build_checkpoint
 from prime_node.swarm.delta_chain import DeltaChain
-from prime_node.swarm.delta_versions import Published, encode_delta_version
+from prime_node.swarm.fetching import Fetcher, FetchHooks
 from prime_node.swarm.holdings import Holdings
 from prime_node.swarm.neighbours import MAX_NEIGHBOURS, keep_neighbours
+from prime_node.swarm.publishing import Publisher, PublishHooks
 from prime_node.swarm.store_layout import StoreLayout
 from prime_node.swarm.transfer import OriginDirectory
 from prime_node.swarm.version_exchange import ExchangeHooks, VersionExchange
-from prime_node.swarm.versions import Version, open_known
-from protocol.codec import decode, encode
+from prime_node.swarm.versions import Version
+from protocol.codec import decode
 from protocol.envelope import Envelope
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import Manifest, open_manifest
 from protocol.peer_record import peer_id_of
 from protocol.scoring import Offence
 from protocol.swarm.catalogue import Catalogue, CatalogueAction
-from protocol.swarm.messages import MAX_ANNOUNCED_ENVELOPE_BYTES, Announce
-from protocol.swarm.rebuild import Build
+from protocol.swarm.messages import Announce
 from protocol.topics import CHECKPOINTS_TOPIC
 
 log = logging.getLogger(__name__)
@@ -74,24 +70,6 @@ log = logging.getLogger(__name__)
 STATUS_SECTION = "checkpoints"
 TICK = 0.25
 """Seconds between ticks: request timeouts, super-seeding deadlines (as short as 0.25 s), expiring waits."""
-FOLLOW_MANIFEST_WAIT = 60.0
-"""How long following (or a delta) waits for a full version's manifest before giving up on it."""
-DELTA_WAIT = 5.0
-"""Seconds ``publish`` holds back a step's announcement for its delta once the full version is ready: a
-peer that hears of the full version first fetches it whole, so a delta announced later only serves late
-peers. A delta slower than this never delays the policy further (it is announced when it is ready)."""
-
-
-@dataclass
-class _DeltaJob:
-    """A delta ``publish`` encodes in the background: the outcome, and who announces it."""
-
-    done: trio.Event = field(default_factory=trio.Event)
-    published: Published | None = None
-    announced: SharedCheckpoint | None = None
-    """The delta version, when one was kept."""
-    late: bool = False
-    """``publish`` stopped waiting and announced the full version: the job announces the delta itself."""
 
 
 @dataclass(frozen=True)
@@ -179,10 +157,36 @@ class SwarmService:
             drop=partial(self._drop_version, delete=True),
             retain=lambda: self.exchange.apply(self.catalogue.retain()),
         )
-        self._encoding = trio.Lock()
-        """Held while a delta is encoded: the encodes of successive steps take turns on the cores."""
-        self._opening: dict[bytes, trio.Event] = {}
-        """Versions whose piece store is being opened (in a worker thread): set when it is held, or not."""
+        self.publisher = Publisher(
+            key,
+            run_id,
+            self.holdings,
+            self.layout,
+            PublishHooks(
+                trainer=lambda: self.trainer,
+                hold=self._hold,
+                retain=lambda: self.exchange.apply(self.catalogue.retain()),
+                context=lambda: self.context,
+                nursery=lambda: self.nursery,
+            ),
+        )
+        self.publish = self.publisher.publish
+        """Share a step's directory, with its delta (publishing.py: ``Publisher.publish``)."""
+        self.fetcher = Fetcher(
+            self.holdings,
+            self.catalogue,
+            self.chain,
+            run_id,
+            FetchHooks(
+                trainer=lambda: self.trainer,
+                hold=self._hold,
+                finish=self._finish,
+                get_manifest=self.get_manifest,
+                nursery=lambda: self.nursery,
+            ),
+        )
+        self.fetch = self.fetcher.fetch
+        """Fetch a version by id (fetching.py: ``Fetcher.fetch``)."""
         self.delta_bytes_in = 0
 
     # --- settings the role runner changes once the run is announced -----------------------------------
@@ -282,215 +286,7 @@ class SwarmService:
     async def share(self, directory: Path, *, step: int, piece_size: int | None = None) -> Manifest:
         """Hash and sign ``directory`` (``key`` must be the run's trainer key), announce it and seed it,
         super-seeding, until the service stops."""
-        return (await self.publish(directory, step=step, piece_size=piece_size)).full
-
-    async def publish(
-        self,
-        directory: Path,
-        *,
-        step: int,
-        delta_base: Path | None = None,
-        snapshot: bool = False,
-        max_delta_share: float = 0.5,
-        piece_size: int | None = None,
-        delta_wait: float = DELTA_WAIT,
-        on_delta: Callable[[Published], None] | None = None,
-    ) -> Published:
-        """Share ``directory`` as step ``step``: its full version is always hashed, signed and seeded.
-        Unless ``snapshot``, when ``delta_base`` is the directory of a full version this service holds,
-        a delta against it is encoded too, in the background; if it is at most ``max_delta_share`` of the
-        full size it is signed, seeded and announced instead of the full version (peers without the base
-        fetch that) when it is ready within ``delta_wait`` seconds of the full version. Otherwise the full
-        version is announced then (reason ``encoding``) and the delta, once ready, announced after it
-        (for peers that did not start on the full version yet), and ``on_delta`` gets its outcome."""
-        if self.trainer is not None and self.key.address != self.trainer:
-            raise NodeError(
-                f"only the run's trainer {self.trainer} may share checkpoints "
-                f"(this key is {self.key.address})",
-                reason="not_trainer",
-            )
-        now_ms = self.clock.wall_ms()
-        shared = await trio.to_thread.run_sync(
-            lambda: build_checkpoint(
-                directory, self.key, run=self.run_id, step=step, now_ms=now_ms, piece_size=piece_size
-            )
-        )
-        full = shared.manifest
-        mid = full.id()
-        base = self._held_full_at(delta_base)
-        reason = "snapshot" if snapshot else "no_base" if delta_base is None else "base_not_held"
-        if not snapshot and base is not None and base.manifest.id() == mid:
-            reason = "unchanged"
-        elif not snapshot and base is not None:
-            job = _DeltaJob()
-            max_bytes = int(max_delta_share * full.total_size)
-            self.nursery.start_soon(
-                self._encode_delta, job, base, directory, shared, now_ms, max_bytes, on_delta
-            )
-            with trio.move_on_after(delta_wait):
-                await job.done.wait()
-            if job.published is not None:
-                self._hold_origin(shared, directory)  # after the delta: neighbours are offered that first
-                announced = job.announced if job.announced is not None else shared
-                return await self._announce_published(job.published, announced)
-            job.late = True
-            reason = "encoding"
-        self._hold_origin(shared, directory)
-        return await self._announce_published(
-            Published(
-                full=full,
-                delta=None,
-                full_bytes=full.total_size,
-                delta_bytes=0,
-                encode_seconds=0.0,
-                reason=reason,
-            ),
-            shared,
-        )
-
-    def _hold_origin(self, shared: SharedCheckpoint, directory: Path) -> None:
-        """Seed the full version the trainer just built from its own directory."""
-        if shared.manifest_id not in self.versions:
-            source = OriginDirectory(directory, shared.manifest)
-            self._hold(
-                self.holdings.add(
-                    shared.manifest, shared.envelope, source, store=None, path=directory, origin=True
-                )
-            )
-
-    async def _announce_published(self, published: Published, announced: SharedCheckpoint) -> Published:
-        """Announce ``announced`` (the delta of ``published``, or its full version) and log it."""
-        await self._announce(announced.manifest, announced.envelope)
-        self.exchange.apply(self.catalogue.retain())
-        log.info(
-            "sharing step %d as %s (%d pieces; %s%s)",
-            published.full.step,
-            announced.manifest_id.hex(),
-            announced.manifest.piece_count,
-            published.reason,
-            f", {published.delta_bytes} of {published.full_bytes} bytes" if published.delta_bytes else "",
-        )
-        return published
-
-    async def _encode_delta(
-        self,
-        job: _DeltaJob,
-        base: Version,
-        directory: Path,
-        shared: SharedCheckpoint,
-        now_ms: int,
-        max_bytes: int,
-        on_delta: Callable[[Published], None] | None,
-    ) -> None:
-        """Encode, sign and seed the delta of ``shared`` against ``base`` (one at a time: encodes share the
-        cores), then hand it to ``publish`` or, if it stopped waiting, announce it here."""
-        full = shared.manifest
-        assert base.path is not None
-        base_path, base_id = base.path, base.manifest.id()
-        delta, delta_bytes, seconds, reason = None, 0, 0.0, "not_kept"
-        try:
-            async with self._encoding:
-                delta, stats = await trio.to_thread.run_sync(
-                    lambda: encode_delta_version(
-                        base_path,
-                        directory,
-                        self.layout.checkpoints,
-                        self.key,
-                        full=full,
-                        base_id=base_id,
-                        now_ms=now_ms,
-                        max_bytes=max_bytes,
-                    )
-                )
-            delta_bytes, seconds = stats.delta_bytes, stats.seconds
-            reason = "too_large" if delta is None else "delta"
-        except NodeError as exc:  # e.g. the trainer removed a directory meanwhile: the full version stands
-            log.warning("could not encode the delta of step %d: %s", full.step, exc)
-        # Held (so offered) before it is announced: a neighbour hears of the delta first and takes it.
-        if delta is not None and not self._hold_delta(delta.manifest, delta.envelope, delta.directory):
-            delta, reason = None, "not_kept"
-        published = Published(
-            full=full,
-            delta=delta.manifest if delta is not None else None,
-            full_bytes=full.total_size,
-            delta_bytes=delta_bytes,
-            encode_seconds=seconds,
-            reason=reason,
-        )
-        job.published, job.announced = published, delta
-        job.done.set()
-        if job.late:
-            if delta is not None:
-                await self._announce_published(published, delta)
-            if on_delta is not None:
-                on_delta(published)
-
-    def _held_full_at(self, directory: Path | None) -> Version | None:
-        if directory is None:
-            return None
-        wanted = directory.resolve()
-        for version in self.versions.values():
-            held = self.holdings.full(version.manifest.id())
-            if held is not None and held.path is not None and held.path.resolve() == wanted:
-                return held
-        return None
-
-    def _hold_delta(self, manifest: Manifest, envelope: Envelope, work: Path) -> bool:
-        """Move a delta the trainer just encoded where the store keeps versions, and seed it (False: it
-        could not be kept, and is gone)."""
-        mid = manifest.id()
-        if mid in self.versions:
-            shutil.rmtree(work, ignore_errors=True)
-            return True
-        directory = self.layout.checkpoint_dir(manifest)
-        try:
-            shutil.rmtree(directory, ignore_errors=True)
-            work.rename(directory)
-            self.layout.save_envelope(mid, envelope)
-        except (OSError, NodeError) as exc:
-            shutil.rmtree(work, ignore_errors=True)
-            shutil.rmtree(directory, ignore_errors=True)
-            log.warning(
-                "cannot keep the delta of step %d (announcing the full version): %s", manifest.step, exc
-            )
-            return False
-        source = OriginDirectory(directory, manifest)
-        self._hold(self.holdings.add(manifest, envelope, source, store=None, path=directory, origin=True))
-        return True
-
-    async def _announce(self, manifest: Manifest, envelope: Envelope) -> None:
-        payload = encode(envelope)
-        announce = Announce(
-            manifest.id(),
-            self.run_id,
-            manifest.step,
-            payload if len(payload) <= MAX_ANNOUNCED_ENVELOPE_BYTES else b"",
-        )
-        try:
-            await self.context.gossip.publish(CHECKPOINTS_TOPIC, encode(announce))
-        except NodeError as exc:
-            log.info("checkpoint announcement not gossiped (peers will still learn it on connect): %s", exc)
-
-    async def fetch(self, manifest_id: bytes, *, out: Path | None = None) -> Path:
-        """Download the version ``manifest_id`` from peers, verify it and return its complete directory
-        (``out`` if given, written atomically; else inside the store). Resumes from verified pieces.
-        For a delta's id, the full directory it produces: rebuilt from a held base (or a chain), else
-        fetched whole."""
-        version = self.versions.get(manifest_id)
-        if version is None:
-            envelope, manifest = await self.get_manifest(manifest_id)
-            if manifest.is_delta:
-                return await self.chain.fetch(manifest, out)
-            version = self.versions.get(manifest_id)
-            if version is None:
-                version = await self._start_fetch(manifest, envelope, out)
-        elif version.manifest.is_delta:
-            return await self.chain.fetch(version.manifest, out)
-        await version.done.wait()
-        if version.error is not None:
-            raise version.error
-        assert version.path is not None
-        return version.path
+        return (await self.publisher.publish(directory, step=step, piece_size=piece_size)).full
 
     async def get_manifest(self, mid: bytes) -> tuple[Envelope, Manifest]:
         """The signed manifest ``mid``, from memory or asked of every neighbour (waits until one answers;
@@ -545,70 +341,13 @@ class SwarmService:
         )
         return version
 
-    async def _start_fetch(self, manifest: Manifest, envelope: Envelope, out: Path | None) -> Version:
-        """Hold ``manifest``'s version and fetch it (``Holdings.start_fetch``); a caller that comes while
-        its store is being opened gets the same version (``out`` is the first caller's)."""
-        mid = manifest.id()
-        while (opening := self._opening.get(mid)) is not None:
-            await opening.wait()
-        held = self.versions.get(mid)
-        if held is not None:
-            return held
-        opened = self._opening[mid] = trio.Event()
-        try:
-            version = self._hold(await self.holdings.start_fetch(manifest, envelope, out))
-        finally:
-            del self._opening[mid]
-            opened.set()
-        if version.store is not None and version.store.complete:
-            self.nursery.start_soon(self._finish, version)
-        return version
-
-    async def _follow_full(self, manifest: Manifest, envelope: Envelope) -> None:
-        try:
-            await self._start_fetch(manifest, envelope, None)
-        except NodeError as exc:
-            log.warning("could not fetch checkpoint %s: %s", manifest.id().hex()[:16], exc)
-            self.catalogue.follow_ended(manifest.id())
+    # The exchange and the delta chain are built before the fetcher: these reach it late-bound.
 
     def _start_following(self, mid: bytes) -> None:
-        """Fetch a version the catalogue follows, once its manifest proves it the trainer's, of our run."""
-        try:
-            envelope = self.known.get(mid)
-            if envelope is None:
-                raise NodeError(f"no manifest for {mid.hex()}", reason="manifest_not_found")
-            manifest = open_known(envelope, mid, self.trainer)
-            if manifest.run != self.run_id:
-                log.warning("not following %s: it belongs to run %s", mid.hex()[:16], manifest.run)
-                self.catalogue.follow_ended(mid)
-            elif manifest.is_delta or self.holdings.delta_to(mid) is not None or self.chain.in_flight(mid):
-                self._follow_via_delta(manifest)
-            elif mid not in self.versions and mid not in self._opening:
-                self.nursery.start_soon(self._follow_full, manifest, envelope)
-        except NodeError as exc:
-            log.warning("could not fetch checkpoint %s: %s", mid.hex()[:16], exc)
-            self.catalogue.follow_ended(mid)
+        self.fetcher.start_following(mid)
 
-    def _follow_via_delta(self, manifest: Manifest) -> None:
-        """A followed delta, or a followed full version a known delta produces: obtain the full version
-        through the delta (or its fallback) unless it is held or on its way already."""
-        delta = manifest if manifest.is_delta else self.holdings.delta_to(manifest.id())
-        target = manifest.target if manifest.is_delta else manifest.id()
-        if delta is None or target in self.versions or self.chain.in_flight(target):
-            self.catalogue.follow_ended(manifest.id())
-            return
-        build = self.chain.claim(target, delta)  # claimed now: the task starts later
-        self.nursery.start_soon(self._follow_delta, delta, build)
-
-    async def _follow_delta(self, delta: Manifest, build: Build[Manifest]) -> None:
-        try:
-            await self.chain.obtain(build, out=None, wait=FOLLOW_MANIFEST_WAIT)
-        except NodeError as exc:
-            log.warning("could not obtain step %d (%s): %s", delta.step, build.target.hex()[:16], exc)
-        finally:
-            for mid in (delta.id(), build.target):
-                if mid not in self.versions:
-                    self.catalogue.follow_ended(mid)
+    async def _start_fetch(self, manifest: Manifest, envelope: Envelope, out: Path | None) -> Version:
+        return await self.fetcher.start_fetch(manifest, envelope, out)
 
     def _on_complete(self, version: Version) -> None:
         if not version.origin and version.path is None:
@@ -658,7 +397,7 @@ class SwarmService:
             manifest = version.manifest
             if manifest.is_delta and self.holdings.full(manifest.target) is None:
                 if self.follow and manifest.signer != self.key.address:
-                    self._follow_via_delta(manifest)  # a rebuild a restart interrupted
+                    self.fetcher.follow_via_delta(manifest)  # a rebuild a restart interrupted
                 else:  # not following, or our own (a trainer's): its target was the trainer's directory
                     self._drop_version(version, delete=True)
         self.exchange.apply(follows)

@@ -43,6 +43,7 @@ import trio
 from crypto.keys import Address
 from prime_node.errors import NodeError
 from prime_node.verification.admission import VerdictBook
+from prime_node.verification.batch_publish import VERDICTS_TOPIC
 from prime_node.verification.batch_transfer import BatchTransfer
 from prime_node.verification.inbox import (
     INTAKE_COUNTS,
@@ -54,7 +55,6 @@ from prime_node.verification.inbox import (
 )
 from prime_node.verification.reasons import BELOW_FLOOR
 from prime_node.verification.reputation import ReputationService
-from prime_node.verification.topics import VERDICTS_TOPIC
 from protocol.codec import decode
 from protocol.envelope import Envelope
 from protocol.errors import ProtocolError

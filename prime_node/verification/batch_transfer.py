@@ -1,13 +1,8 @@
-"""Rollout batches over the data plane (I/O around protocol/rollout_transfer.py): hold, serve, fetch.
+"""Rollout batches over the data plane (I/O around protocol/rollout_transfer.py): fetch, and run the server.
 
-Every node that produces or receives large batches runs one ``BatchTransfer``. It listens for
-authenticated channels of context ``rollouts`` on a port of its own (the swarm's listener only opens
-``swarm`` channels and routes their frames to checkpoint transfers; a separate context keeps the two
-uses from opening each other's channels) and advertises that port inside every announcement it gossips.
+Every node that produces or receives large batches runs one ``BatchTransfer``. Its ``BatchServer``
+(batch_serving.py) holds frames and serves them on a ``rollouts`` listener of its own; here is fetching:
 
-- **Hold / serve.** Frames it produced or fetched and verified stay in a store bounded in bytes (oldest
-  dropped first), and are served to whoever asks: one request per channel, a ``BatchReply``, then the
-  frame in chunks. Uploads are bounded per peer and in all; over either bound the answer is ``busy``.
 - **Fetch.** ``fetch(batch_id, size)`` asks the batch's holders (``HolderBook``: re-servers first, the
   worker last) one at a time, at most ``per_peer_fetches`` at once from one peer. A download slot (at
   most ``max_fetches``, granted round-robin across the batches' workers: ``FairSlots``) is held only
@@ -30,7 +25,7 @@ size cap), plus the channels' shared ``MemoryBudget``.
 
 Reachability: given the node's libp2p host (``p2p``), a holder whose TCP port does not answer (behind
 NAT), or whose record names no direct host, is reached over a libp2p stream carrying the same channel
-(prime_node/dataplane/dialer.py), and this node serves that fallback protocol through the same accept
+(prime_node/dataplane/dialer.py), and the server takes that fallback protocol through the same accept
 path as its TCP listener (prime_node/dataplane/libp2p_stream.py).
 """
 
@@ -40,7 +35,6 @@ import logging
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -48,29 +42,26 @@ import trio
 from crypto.keys import Address, WalletKey
 from prime_node.dataplane.budget import MemoryBudget
 from prime_node.dataplane.channel import AuthenticatedChannel, ChannelError
-from prime_node.dataplane.connect import handle_connection, serve_channels
 from prime_node.dataplane.dialer import ChannelDialer, ChannelSettings, DialTarget, dial_host
-from prime_node.dataplane.libp2p_stream import FallbackServer, P2PStream, fallback_protocol
 from prime_node.dataplane.streams import TCP, StreamTransport
 from prime_node.p2p.interface import P2PHost
+from prime_node.verification.batch_serving import BatchServer, listen_host
 from prime_node.verification.fair_slots import FairSlots
-from protocol.codec import decode, encode
+from prime_node.verification.transfer_settings import TransferSettings
+from protocol.codec import encode
 from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.rollout_transfer import (
     BAD_BYTES,
-    BUSY,
     CHUNK_BYTES,
     MAX_CHANNEL_FRAME,
     MISSING,
     ROLLOUT_CONTEXT,
     SENDING,
     BatchDownload,
-    BatchReply,
     BatchRequest,
     Holder,
     HolderBook,
     RolloutAnnouncement,
-    chunks,
 )
 from protocol.scoring import Offence
 
@@ -79,53 +70,6 @@ if TYPE_CHECKING:
     from prime_node.node.peers import PeerPolicy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TransferSettings:
-    """Bounds of one node's batch transfer; the defaults suit a networked run."""
-
-    hold_bytes: int = 256 << 20
-    """Frames kept to serve (produced or fetched), all together; the oldest go first (the newest is
-    always kept)."""
-    max_fetches: int = 4
-    """Attempts running at once (a fetch waiting for a holder holds none), granted round-robin across
-    the batches' workers."""
-    per_peer_fetches: int = 2
-    """Downloads at once from one holder."""
-    max_uploads: int = 16
-    """Batches being served at once; beyond it requests are answered ``busy``."""
-    per_peer_uploads: int = 2
-    """Batches served at once to one peer; beyond it that peer is answered ``busy``."""
-    reply_timeout_s: float = 10.0
-    """Dial, handshake, request and the holder's reply, whatever the announced size."""
-    chunk_grace_s: float = 2.0
-    """Fixed part of the deadline of each ``CHUNK_BYTES`` of a body (see ``min_rate``)."""
-    min_rate: float = 1 << 20
-    """Byte-rate floor of a body: each next ``CHUNK_BYTES`` (or what remains) must arrive within
-    ``chunk_grace_s + CHUNK_BYTES / min_rate`` (6 s at 1 MiB/s), however big the batch."""
-    give_up_s: float = 30.0
-    """How long a fetch waits for a holder to appear once every known one failed (not when the offering
-    worker itself failed and no one else holds the batch)."""
-    holder_backoff_s: float = 5.0
-    """How long a holder that timed out, trickled or refused the connection is not dialled again; it
-    doubles with each failure in a row, up to ``max_holder_backoff_s``, and a delivery resets it."""
-    max_holder_backoff_s: float = 300.0
-    max_banned: int = 4096
-    """Peers remembered as banned from this data plane (the oldest forgotten first)."""
-    request_timeout_s: float = 10.0
-    """How long a served channel may take to send its request."""
-    relayed_fallback: bool = False
-    """Whether batches may move over a libp2p stream on a *relayed* connection (a relay's circuits are
-    capped in bytes and carry the peers' control traffic: prime_node/dataplane/libp2p_stream.py)."""
-
-    def __post_init__(self) -> None:
-        counts = (self.max_fetches, self.per_peer_fetches, self.max_uploads, self.per_peer_uploads)
-        times = (self.reply_timeout_s, self.chunk_grace_s, self.min_rate, self.max_banned)
-        if min(counts) < 1 or self.hold_bytes < 1 or min(times) <= 0:
-            raise ValueError("transfer bounds must be positive")
-        if not 0 <= self.holder_backoff_s <= self.max_holder_backoff_s or self.give_up_s < 0:
-            raise ValueError("backoffs and give_up_s must be non-negative, the first at most the cap")
 
 
 HostLookup = Callable[[Address], "str | None"]
@@ -154,15 +98,6 @@ def ban_peer(policy: PeerPolicy, peer_id: str, reason: str) -> None:
         policy.offence(peer_id, Offence.BAD_DATA, reason)
         if policy.is_banned(peer_id):
             return
-
-
-def listen_host(context: NodeContext) -> str:
-    """Where our batch listener binds: where libp2p listens (loopback stays loopback, else all addresses),
-    as the weight swarm's data plane does."""
-    addresses = context.host.listen_multiaddrs()
-    if addresses and all(address.startswith("/ip4/127.") for address in addresses):
-        return "127.0.0.1"
-    return "0.0.0.0"
 
 
 def member_host(context: NodeContext, address: Address) -> str | None:
@@ -219,14 +154,10 @@ class BatchTransfer:
         self.host_of = host_of
         self.on_bad_bytes = on_bad_bytes
         self.on_undelivered = on_undelivered
-        self.listen_host = host
-        self.listen_port = port
         self.settings = settings or TransferSettings()
         self.transport = transport
         self.rng = rng or random.Random()
         self.book = HolderBook()
-        self.store: OrderedDict[bytes, bytes] = OrderedDict()
-        self.held_bytes = 0
         self.counts: Counter[str] = Counter()
         self.budget = MemoryBudget()
         relayed = self.settings.relayed_fallback
@@ -238,9 +169,17 @@ class BatchTransfer:
         )
         self.dialer.p2p = p2p
         self.stats = self.dialer.stats
-        self._fallback = FallbackServer(
-            fallback_protocol(ROLLOUT_CONTEXT), self._accept_fallback, self.stats, relayed=relayed
+        self.server = BatchServer(
+            key,
+            settings=self.settings,
+            budget=self.budget,
+            stats=self.stats,
+            counts=self.counts,
+            host=host,
+            port=port,
+            transport=transport,
         )
+        """Holds the frames and serves them (batch_serving.py)."""
         self._fetch_slots: FairSlots[Address | bytes] = FairSlots(self.settings.max_fetches)
         self._per_peer: dict[Address, trio.CapacityLimiter] = {}
         self.banned: OrderedDict[Address, None] = OrderedDict()
@@ -248,41 +187,28 @@ class BatchTransfer:
         self._backoff: OrderedDict[Address, tuple[int, float]] = OrderedDict()
         """Holders that failed: (failures in a row, not dialled before this trio time)."""
         self._fetching: dict[bytes, trio.Event] = {}
-        self._uploads: Counter[Address] = Counter()
         self._holders_changed = trio.Event()
-        self._port: int | None = None
 
     @property
     def port(self) -> int:
-        if self._port is None:
-            raise ChannelError("the batch transfer is not listening", reason="not_running")
-        return self._port
+        return self.server.port
 
     @property
     def running(self) -> bool:
-        return self._port is not None
+        return self.server.running
+
+    @property
+    def store(self) -> OrderedDict[bytes, bytes]:
+        """The frames held to serve, oldest first (the server's)."""
+        return self.server.store
+
+    @property
+    def held_bytes(self) -> int:
+        return self.server.held_bytes
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve held batches until cancelled; reports the bound port."""
-
-        async with trio.open_nursery() as nursery:
-            self._port = await nursery.start(
-                lambda task_status: serve_channels(
-                    self.key,
-                    self._serve,
-                    host=self.listen_host,
-                    port=self.listen_port,
-                    context=ROLLOUT_CONTEXT,
-                    max_frame=MAX_CHANNEL_FRAME,
-                    budget=self.budget,
-                    transport=self.transport,
-                    task_status=task_status,
-                )
-            )
-            p2p = self.dialer.p2p
-            if p2p is not None:
-                await nursery.start(lambda task_status: self._fallback.run(p2p, task_status=task_status))
-            task_status.started(self._port)
+        await self.server.run(self.dialer.p2p, task_status=task_status)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -297,18 +223,9 @@ class BatchTransfer:
             **self.stats.status(),
         }
 
-    # -- holding -----------------------------------------------------------------------------------------
-
     def hold(self, batch_id: bytes, frame: bytes) -> None:
         """Keep a verified frame to serve (the caller checked that it hashes to ``batch_id``)."""
-        if batch_id in self.store:
-            self.store.move_to_end(batch_id)
-            return
-        self.store[batch_id] = frame
-        self.held_bytes += len(frame)
-        while self.held_bytes > self.settings.hold_bytes and len(self.store) > 1:
-            _, dropped = self.store.popitem(last=False)
-            self.held_bytes -= len(dropped)
+        self.server.hold(batch_id, frame)
 
     def heard(self, announcement: RolloutAnnouncement, origin: Address, origin_peer_id: str) -> bool:
         """An announcement arrived over gossip from ``origin``: remember it as a holder. True when it is
@@ -496,53 +413,3 @@ class BatchTransfer:
         log.warning("peer %s sent bytes that are not batch %s: %s", holder.address, batch_id.hex()[:16], exc)
         if self.on_bad_bytes is not None:
             self.on_bad_bytes(holder, exc.reason)
-
-    # -- serving -----------------------------------------------------------------------------------------
-
-    async def _accept_fallback(self, stream: P2PStream, peer: Address) -> None:
-        """A fallback stream: the same path as a connection to our TCP listener, from ``peer`` only."""
-        await handle_connection(
-            stream,
-            self.key,
-            self._serve,
-            expected_peer=peer,
-            context=ROLLOUT_CONTEXT,
-            max_frame=MAX_CHANNEL_FRAME,
-            budget=self.budget,
-        )
-
-    async def _serve(self, channel: AuthenticatedChannel) -> None:
-        peer = channel.remote
-        request: BatchRequest | None = None
-        with trio.move_on_after(self.settings.request_timeout_s):
-            try:
-                request = decode(await channel.receive_frame(), BatchRequest)
-            except ProtocolError as exc:
-                log.info("unreadable batch request from %s: %s", peer, exc)
-                self.counts["bad_requests"] += 1
-                return
-        if request is None:
-            return
-        frame = self.store.get(request.batch_id)
-        if frame is None:
-            await channel.send_frame(encode(BatchReply(request.batch_id, MISSING, 0)))
-            return
-        settings = self.settings
-        if (
-            sum(self._uploads.values()) >= settings.max_uploads
-            or self._uploads[peer] >= settings.per_peer_uploads
-        ):
-            self.counts["busy"] += 1
-            await channel.send_frame(encode(BatchReply(request.batch_id, BUSY, 0)))
-            return
-        self._uploads[peer] += 1
-        try:
-            await channel.send_frame(encode(BatchReply(request.batch_id, SENDING, len(frame))))
-            for piece in chunks(frame, CHUNK_BYTES):
-                await channel.send_frame(bytes(piece) if len(frame) > CHUNK_BYTES else frame)
-            self.counts["served"] += 1
-            self.counts["served_bytes"] += len(frame)
-        finally:
-            self._uploads[peer] -= 1
-            if not self._uploads[peer]:
-                del self._uploads[peer]

@@ -1,7 +1,7 @@
 """Cheating inferers: the adversaries the validator is built to catch, for the demo's ``--adversary``,
 ``join --adversary``, the verification benchmark and the tests.
 
-``CheatingProducer`` is the inferer's rollout producer for one attack (prime_node/roles/inferer_service.py
+``CheatingProducer`` is the inferer's rollout producer for one attack (prime_node/roles/inferer_model.py
 ``RolloutProducer``): instead of the honest batch it publishes what a cheater of that kind would, and
 validators must reject every one. It lives here, with the checks it attacks, rather than in the test kit
 or the demo package: the node CLI and the role runner pick it, and neither may depend on either.

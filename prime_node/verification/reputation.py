@@ -24,7 +24,7 @@ import trio
 
 from crypto.keys import Address
 from prime_node.errors import NodeError
-from prime_node.verification.topics import VERDICTS_TOPIC
+from prime_node.verification.batch_publish import VERDICTS_TOPIC
 from protocol.codec import decode
 from protocol.envelope import Envelope, EnvelopeVerifier
 from protocol.errors import ProtocolError

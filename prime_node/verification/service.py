@@ -36,7 +36,8 @@ from crypto.digests import blake3
 from crypto.keys import Address, WalletKey
 from prime_node.errors import NodeError
 from prime_node.verification.admission_service import AcceptedBatch, AdmissionService
-from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings
+from prime_node.verification.batch_publish import ROLLOUTS_TOPIC, VERDICTS_TOPIC, publish_batch, publish_frame
+from prime_node.verification.batch_transfer import BatchTransfer
 from prime_node.verification.fair_slots import NewestFirstQueue
 from prime_node.verification.inbox import (
     INTAKE_COUNTS,
@@ -49,7 +50,7 @@ from prime_node.verification.inbox import (
 from prime_node.verification.judging import ThreadJudge
 from prime_node.verification.reasons import BELOW_FLOOR
 from prime_node.verification.reputation import ReputationService
-from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC, publish_batch, publish_frame
+from prime_node.verification.transfer_settings import TransferSettings
 from prime_node.verification.validator import CheckPolicy
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError

@@ -225,7 +225,7 @@ class BatchValidator:
         groups = self.recomputed_groups(batch, result.batch_id)
         self._recompute(batch, groups, engine, result)
         if result.accepted:
-            from prime_node.ml.trainer import batch_rewards
+            from prime_node.ml.prepared import batch_rewards
 
             # Only now, and only for replayed groups: scoring may execute a completion (code tasks).
             result.verified_groups = groups

@@ -7,7 +7,6 @@ with no hint of the field meant: the operator fixed it, restarted, and met the n
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from prime_node.config import RunConfig, TaskConfig, load_run_config
 from prime_node.config.problems import describe_problems
 from prime_node.config.run import validate_run_config
 from prime_node.errors import NodeError
+from tests import warm_cli
 
 CLI = [sys.executable, "-m", "prime_node"]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_NODE_")}
@@ -161,7 +161,7 @@ def test_any_two_typos_are_both_named_with_a_suggestion(typos: tuple[tuple[str, 
 def test_run_trainer_names_both_typos_as_a_process_would(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text('grup_size = 4\n[task]\nknd = "arithmetic"\n')
-    result = subprocess.run(
+    result = warm_cli.run(
         [*CLI, "run-trainer", "--config", str(config), "--local"],
         capture_output=True,
         text=True,

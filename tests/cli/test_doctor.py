@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -47,6 +48,7 @@ from prime_node.errors import NodeError
 from prime_node.node.clock import NodeClock
 from prime_node.node.probe_service import ProbeRefusedError, ProbeService
 from prime_node.p2p.libp2p_host import open_libp2p_host
+from prime_node.warm_start.process import WarmProcess
 from protocol.codec import decode, encode
 from protocol.probe import (
     BUSY,
@@ -63,7 +65,8 @@ from protocol.probe import (
     ProbeRefused,
     ProbeRequest,
 )
-from protocol.roles import GpuInfo, HardwareProfile
+from protocol.resources import GpuInfo, HardwareProfile
+from tests import warm_cli
 from tests.p2p.helpers import make_config, start_node
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -405,7 +408,7 @@ ENV = {
 
 
 def _doctor(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warm_cli.run(
         [*CLI, "doctor", "--listen", "/ip4/127.0.0.1/tcp/0", *args],
         capture_output=True,
         text=True,
@@ -446,7 +449,7 @@ def test_an_unreachable_bootstrap_fails_with_its_fix_line(tmp_path: Path) -> Non
 
 
 def _wait_for_node_file(
-    data_dir: Path, process: subprocess.Popen[str], timeout: float = 60
+    data_dir: Path, process: subprocess.Popen[Any] | WarmProcess, timeout: float = 60
 ) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -462,7 +465,7 @@ def _wait_for_node_file(
 
 @pytest.mark.slow
 def test_doctor_probes_a_running_node(tmp_path: Path) -> None:
-    node = subprocess.Popen(
+    node = warm_cli.popen(
         [
             *CLI,
             "join",

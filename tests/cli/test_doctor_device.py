@@ -14,7 +14,7 @@ from prime_node.config import RunConfig
 from prime_node.doctor.device import check_device
 from prime_node.doctor.report import FAIL, PASS, WARN
 from prime_node.hardware import GpuSelection
-from protocol.roles import GpuInfo, HardwareProfile
+from protocol.resources import GpuInfo, HardwareProfile
 
 RUN = RunConfig.model_validate({})
 

@@ -27,6 +27,8 @@ from prime_node.p2p.libp2p_host import open_libp2p_host
 from prime_node.roles.announcement import RunAnnouncer
 from prime_node.status.client import fetch_snapshot, resolve_api_url
 from prime_node.swarm.service import SwarmService, SwarmSettings
+from prime_node.warm_start.process import WarmProcess
+from tests import warm_cli
 from tests.p2p.helpers import make_config, start_node
 
 CLI = [sys.executable, "-m", "prime_node"]
@@ -39,7 +41,7 @@ RUN = "tofu"
 TRAINER = "0x79B1B33BA04F20879BFfB5b089c6f3a3DE75E420"
 
 
-def _join(data_dir: Path, *extra: str) -> subprocess.Popen[str]:
+def _join(data_dir: Path, *extra: str) -> subprocess.Popen[Any] | WarmProcess:
     data_dir.mkdir(parents=True)
     command = [
         *CLI,
@@ -60,7 +62,7 @@ def _join(data_dir: Path, *extra: str) -> subprocess.Popen[str]:
         *extra,
     ]
     stderr = (data_dir / "stderr.log").open("w")
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=ENV)
+    return warm_cli.popen(command, stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=ENV)
 
 
 def _role(data_dir: Path) -> dict[str, Any]:
@@ -99,7 +101,7 @@ async def test_only_a_pinned_trainer_is_followed_and_an_unpinned_joiner_takes_no
     honest_at = f"{RUN}@{honest.address}"
     attacker_at = f"{RUN}@{attacker.address}"
     pinned_dir, unpinned_dir = tmp_path / "pinned", tmp_path / "unpinned"
-    processes: list[subprocess.Popen[str]] = []
+    processes: list[subprocess.Popen[Any] | WarmProcess] = []
     try:
         with trio.fail_after(150):
             async with trio.open_nursery() as nursery:
@@ -155,10 +157,15 @@ async def test_only_a_pinned_trainer_is_followed_and_an_unpinned_joiner_takes_no
                 unpinned_snapshot = await trio.to_thread.run_sync(
                     lambda: fetch_snapshot(resolve_api_url(None, unpinned_dir))
                 )
-                shown = await trio.run_process(
-                    [*CLI, "status", "--data-dir", str(pinned_dir), "--once"],
-                    capture_stdout=True,
-                    env={**ENV, "COLUMNS": "200"},
+                shown = await trio.to_thread.run_sync(
+                    functools.partial(
+                        warm_cli.run,
+                        [*CLI, "status", "--data-dir", str(pinned_dir), "--once"],
+                        stdout=subprocess.PIPE,
+                        env={**ENV, "COLUMNS": "200"},
+                        timeout=150,
+                        check=True,
+                    )
                 )
                 nursery.cancel_scope.cancel()
     finally:
@@ -208,7 +215,7 @@ def test_a_bad_run_address_or_two_different_trainers_is_one_line(
     args = ["join", "--data-dir", str(tmp_path), "--new-wallet", "--no-password", "--light-kdf", "--run", run]
     if trainer is not None:
         args += ["--trainer", trainer]
-    result = subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, timeout=60, check=False)
+    result = warm_cli.run([*CLI, *args], capture_output=True, text=True, env=ENV, timeout=60, check=False)
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert "Traceback" not in result.stderr

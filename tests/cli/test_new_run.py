@@ -18,13 +18,16 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from crypto.identity import peer_id_from_public_key
 from prime_node.config import load_run_config
 from prime_node.wallet_store import unlock_keystore
+from prime_node.warm_start.process import WarmProcess
 from protocol.run_announcement import RunAddress
+from tests import warm_cli
 from tests.cli_in_process import run_cli
 
 CLI = [sys.executable, "-m", "prime_node"]
@@ -71,7 +74,7 @@ def _option(argv: list[str], flag: str) -> str:
 
 def test_new_run_makes_a_run_whose_printed_commands_are_exact(tmp_path: Path) -> None:
     run_dir = tmp_path / "myrun"
-    result = subprocess.run(
+    result = warm_cli.run(
         [*CLI, "new-run", str(run_dir), "--no-password", "--light-kdf", "--port", "4301", "--run-id", "sums"],
         capture_output=True,
         text=True,
@@ -167,7 +170,7 @@ def test_the_printed_commands_started_in_order_train(tmp_path: Path) -> None:
     trains on batches its trusted validator accepted."""
     port = _three_free_ports()
     run_dir = tmp_path / "run"
-    made = subprocess.run(
+    made = warm_cli.run(
         [*CLI, "new-run", str(run_dir), "--no-password", "--light-kdf", "--port", str(port)],
         capture_output=True,
         text=True,
@@ -180,7 +183,7 @@ def test_the_printed_commands_started_in_order_train(tmp_path: Path) -> None:
         line.split()[-1] for line in made.stdout.splitlines() if line.startswith("run address")
     )
     where, trainer_argv = commands["trainer"]
-    trainer = subprocess.Popen(
+    trainer = warm_cli.popen(
         [*CLI, *trainer_argv, "--max-steps", "2", "--exit-when-done"],
         cwd=where,
         stdout=subprocess.PIPE,
@@ -188,7 +191,7 @@ def test_the_printed_commands_started_in_order_train(tmp_path: Path) -> None:
         text=True,
         env=ENV,
     )
-    joiners: list[subprocess.Popen[str]] = []
+    joiners: list[subprocess.Popen[Any] | WarmProcess] = []
     try:
         assert trainer.stdout is not None
         lines = []
@@ -203,7 +206,7 @@ def test_the_printed_commands_started_in_order_train(tmp_path: Path) -> None:
             cwd, argv = commands[role]
             log = (tmp_path / f"{role}.log").open("w")
             joiners.append(
-                subprocess.Popen(
+                warm_cli.popen(
                     [*CLI, *argv], cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True, env=ENV
                 )
             )

@@ -8,7 +8,6 @@ address".
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from prime_node.cli.network_options import join_target
 from prime_node.errors import NodeError
 from protocol.errors import InvariantError
 from protocol.run_announcement import RunAddress
+from tests import warm_cli
 
 CLI = [sys.executable, "-m", "prime_node"]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_NODE_")}
@@ -75,7 +75,7 @@ def test_join_target_names_the_missing_trainer(run: str, fragment: str) -> None:
 
 
 def test_join_with_a_run_address_without_its_trainer_says_so(tmp_path: Path) -> None:
-    result = subprocess.run(
+    result = warm_cli.run(
         [
             *CLI,
             "join",

@@ -23,6 +23,7 @@ from prime_node.verification.batch_archive import BatchArchive
 from protocol.codec import decode
 from protocol.envelope import Envelope
 from protocol.rollouts import RolloutBatch
+from tests import warm_cli
 from tests.cli_in_process import run_cli
 
 
@@ -64,7 +65,7 @@ def _no_node_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_kept_batch_is_judged_with_no_flags_in_a_real_process(node: Node) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_NODE_")}
-    result = subprocess.run(
+    result = warm_cli.run(
         [sys.executable, "-m", "prime_node", "validate", str(node.honest)],
         check=False,
         capture_output=True,

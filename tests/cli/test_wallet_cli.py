@@ -13,6 +13,8 @@ import pytest
 from eth_account import Account
 from eth_account.messages import encode_defunct
 
+from tests import warm_cli
+
 PRIME_NODE = [sys.executable, "-m", "prime_node"]
 
 
@@ -21,7 +23,7 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_NODE_")}
     full_env.update(env or {})
-    return subprocess.run(
+    return warm_cli.run(
         [*PRIME_NODE, *args],
         check=False,
         capture_output=True,

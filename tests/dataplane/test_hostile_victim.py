@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -26,9 +27,11 @@ from crypto.keys import Address, WalletKey
 from prime_node.dataplane.channel import AuthenticatedChannel, ChannelError
 from prime_node.dataplane.connect import open_channel
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
+from prime_node.warm_start.process import WarmProcess
 from protocol.codec import decode_any, encode
 from protocol.dataplane import DEFAULT_FRAME_IDLE, DEFAULT_MAX_FRAME, FRAME_HEADER
 from protocol.swarm.messages import ManifestEnvelope, ManifestRequest
+from tests import warm_cli
 
 HOST = "127.0.0.1"
 MiB = 1 << 20
@@ -40,7 +43,7 @@ pytestmark = pytest.mark.slow
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "prime_node.cli.main", *args]
+    return [sys.executable, "-m", "prime_node", *args]
 
 
 def free_port() -> int:
@@ -74,7 +77,7 @@ def victim(tmp_path: Path) -> Iterator[Victim]:
     port = free_port()
     log = tmp_path / "victim.log"
     with log.open("w") as stderr:
-        process = subprocess.Popen(
+        process = warm_cli.popen(
             cli("share", str(model), "--step", "9", "--json", "--data-dir", str(tmp_path / "origin"),
                 "--piece-size", str(PIECE), "--dataplane-port", str(port), *NET, *WALLET),
             stdout=subprocess.PIPE, stderr=stderr, text=True,
@@ -142,8 +145,8 @@ async def closed_by_victim(channel: AuthenticatedChannel, *, most: int) -> bool:
     return False
 
 
-def honest_fetch(victim: Victim, tmp_path: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+def honest_fetch(victim: Victim, tmp_path: Path) -> subprocess.Popen[Any] | WarmProcess:
+    return warm_cli.popen(
         cli("fetch", victim.manifest_id.hex(), "--out", str(tmp_path / "fetched"),
             "--bootstrap", str(victim.share["multiaddrs"][0]),  # type: ignore[index]
             "--trainer", str(victim.trainer), "--data-dir", str(tmp_path / "fetcher"),
@@ -152,7 +155,7 @@ def honest_fetch(victim: Victim, tmp_path: Path) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-async def wait_process(process: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+async def wait_process(process: subprocess.Popen[Any] | WarmProcess, timeout: float) -> tuple[str, str]:
     with trio.fail_after(timeout):
         while process.poll() is None:
             await trio.sleep(0.2)

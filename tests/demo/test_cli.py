@@ -6,10 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import warm_cli
+
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "prime_node", "demo", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    return warm_cli.run(command, capture_output=True, text=True, timeout=120, check=False)
 
 
 def _one_line_error(result: subprocess.CompletedProcess[str], fragment: str) -> None:

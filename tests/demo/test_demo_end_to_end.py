@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from prime_node.verification.cheating import EXPECTED_REASONS
+from tests import warm_cli
 from tests.verification.policy_flood import run_demo
 
 ATTACK = "forged_proof"
@@ -95,7 +96,7 @@ def test_ctrl_c_in_the_middle_of_training_stops_the_whole_real_swarm(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     workdir = tmp_path / "demo"
-    demo = subprocess.Popen(
+    demo = warm_cli.popen(
         [
             *(sys.executable, "-m", "prime_node", "demo", "--steps", "1000", "--no-tui", "--inferers", "1"),
             *("--workdir", str(workdir), "--model", str(tiny_model_dir), "--timeout", "300"),

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from prime_node.assets import INFO_FILE, copy_demo_model, demo_model_dir, demo_model_info
+from tests import warm_cli
 
 MAX_BYTES = 1_000_000
 MARGIN = 0.05
@@ -71,13 +72,12 @@ def test_the_demo_copies_the_asset_instead_of_warming_up(tmp_path: Path) -> None
 
 def test_init_model_from_package_copies_the_asset(tmp_path: Path) -> None:
     import json
-    import subprocess
     import sys
 
     out = tmp_path / "m"
     command = [sys.executable, "-m", "prime_node", "init-model", "--tiny", "--from-package", str(out)]
     command.append("--json")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    done = warm_cli.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["warmup_steps"] == demo_model_info()["warmup_steps"]
     assert (out / "model.safetensors").read_bytes() == (demo_model_dir() / "model.safetensors").read_bytes()

@@ -23,12 +23,13 @@ import trio
 
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
-from prime_node.hardware import parse_gpu_selection, role_threads
+from prime_node.cpu_compute import role_threads
+from prime_node.hardware import parse_gpu_selection
 from prime_node.p2p.libp2p_host import open_libp2p_host
 from prime_node.roles.announcement import RunAnnouncer, announced_config, worker_run_config
-from prime_node.roles.runner import RoleRunner, measured_profile, requirements_for
+from prime_node.roles.role_runner import RoleRunner, measured_profile, requirements_for
 from prime_node.swarm.service import SwarmService, SwarmSettings
-from protocol.roles import HardwareProfile
+from protocol.resources import HardwareProfile
 from protocol.run_announcement import RunAnnouncement
 from tests.cli_in_process import run_cli
 from tests.p2p.helpers import make_config, start_node
@@ -86,7 +87,7 @@ async def test_doctor_with_the_run_address_reports_the_role_join_takes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr("prime_node.doctor.checkup.probe", lambda selection, data_dir: PROFILE)
-    monkeypatch.setattr("prime_node.roles.runner.measure_cpu_decode", lambda *args: DECODE_S_PER_GB)
+    monkeypatch.setattr("prime_node.roles.role_runner.measure_cpu_decode", lambda *args: DECODE_S_PER_GB)
     trainer = WalletKey.generate()
     model_dir = tmp_path / "model"
     _tiny_model(model_dir)

@@ -82,8 +82,9 @@ def train(argv: list[str]) -> None:
     from prime_node.config import RunConfig
     from prime_node.ml.distributed import init_from_env
     from prime_node.ml.model import load_model
+    from prime_node.ml.prepared import Prepared
     from prime_node.ml.tokenizer import load_tokenizer
-    from prime_node.ml.trainer import GRPOTrainer, Prepared
+    from prime_node.ml.trainer import GRPOTrainer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     document = json.loads(args.batch.read_text())

@@ -4,7 +4,6 @@ the math task posed through their chat template, and other HF families through t
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from prime_node.ml.tokenizer import load_tokenizer
 from prime_node.tasks.chat import ChatPrompt
 from prime_node.tasks.factory import build_task
 from prime_node.tasks.math import BOXED_INSTRUCTION, MathTask
+from tests import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,7 +167,7 @@ def test_a_llama_directory_loads_through_load_model_and_the_engine_factory(tmp_p
 
 def test_init_model_arch_writes_a_directory_from_a_real_process(tmp_path: Path) -> None:
     out = tmp_path / "qwen3"
-    done = subprocess.run(
+    done = warm_cli.run(
         [
             sys.executable,
             "-m",

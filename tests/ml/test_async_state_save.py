@@ -15,10 +15,10 @@ from pydantic import ValidationError
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.ml.checkpoint import optimizer_snapshot
+from prime_node.ml.prepared import Prepared
 from prime_node.ml.session import TrainingSession
 from prime_node.ml.sharded_checkpoint import AsyncShardedSaver, list_sharded, state_save_due
 from prime_node.ml.sharded_load import load_sharded
-from prime_node.ml.trainer import Prepared
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

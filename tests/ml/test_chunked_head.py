@@ -20,7 +20,8 @@ from prime_node.ml.engine import SamplingParams, prefill_logprobs, prefill_repla
 from prime_node.ml.engines import setup_engine
 from prime_node.ml.grpo import OBJECTIVES, Objective, grpo_loss, token_stats_from_logits
 from prime_node.ml.model import create_tiny_model
-from prime_node.ml.trainer import GRPOTrainer, Prepared, _micro_batch
+from prime_node.ml.prepared import Prepared
+from prime_node.ml.trainer import GRPOTrainer, _micro_batch
 
 TEMPERATURE = 0.7
 

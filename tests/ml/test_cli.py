@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from prime_node.ml.model import load_model
+from tests import warm_cli
 from tests.cli_in_process import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warm_cli.run(
         [sys.executable, "-m", "prime_node", *args],
         cwd=REPO,
         capture_output=True,
@@ -121,3 +122,30 @@ def test_run_trainer_refuses_an_unknown_dtype_in_one_line(tiny_model_dir: Path, 
     wrong = _cli(*common, "--output", str(tmp_path / "wrong"), "--dtype", "fp16")
     assert wrong.returncode == 1 and "--dtype 'fp16'" in wrong.stderr
     assert wrong.stderr.strip().count("\n") == 0 and not (tmp_path / "wrong").exists()
+
+
+def test_run_trainer_local_prints_each_evaluation_as_it_happens(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 36: ``run-trainer --local`` printed its held-out evaluations all together after the last step.
+    As a real process, each evaluation's line comes between the steps around it (order of lines, not
+    time): the start, after step 1 (eval_every = 1), and the final one after the last step."""
+    config = tmp_path / "run.toml"
+    config.write_text(
+        "group_size = 4\nprompts_per_step = 2\nmax_new_tokens = 4\neval_tasks = 4\neval_every = 1\n"
+        'threads = 1\nlocal_inference = "thread"\n[length_reward]\ncoef = 1.0\ntarget_tokens = 2\n'
+    )
+    done = _cli(
+        "run-trainer",
+        "--config",
+        str(config),
+        "--model",
+        str(tiny_model_dir),
+        "--local",
+        "--output",
+        str(tmp_path / "out"),
+        "--max-steps",
+        "2",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    order = [("eval", line["eval_step"]) if "eval_step" in line else ("step", line["step"]) for line in lines]
+    assert order == [("eval", 0), ("step", 1), ("eval", 1), ("step", 2), ("eval", 2)]

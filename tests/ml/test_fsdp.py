@@ -20,8 +20,9 @@ from prime_node.ml.checkpoint import model_weights
 from prime_node.ml.distributed import DistInfo, ensure_process_group
 from prime_node.ml.fsdp import full_weights, local_state_bytes
 from prime_node.ml.model import load_model
+from prime_node.ml.prepared import Prepared, decode_prepared, encode_prepared
 from prime_node.ml.tokenizer import load_tokenizer
-from prime_node.ml.trainer import GRPOTrainer, Prepared, decode_prepared, encode_prepared
+from prime_node.ml.trainer import GRPOTrainer
 
 
 def _prepared(tokenizer: Any, samples: int = 8, seed: int = 3) -> Prepared:

@@ -30,7 +30,7 @@ def _inferer(device: str, free_bytes: int) -> InfererService:
 def loads(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """``load_engine`` calls (the engine itself is built on the CPU: there is no GPU here)."""
     from prime_node.ml import engines
-    from prime_node.roles import inferer_service
+    from prime_node.roles import inferer_model
 
     real = engines.load_engine
     calls: list[dict[str, Any]] = []
@@ -39,7 +39,7 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         calls.append(options)
         return real(model_dir, tokenizer, **{**options, "device": "cpu"})
 
-    monkeypatch.setattr(inferer_service, "load_engine", fake)  # where the inferer looks it up
+    monkeypatch.setattr(inferer_model, "load_engine", fake)  # where the inferer looks it up
     return calls
 
 
@@ -49,7 +49,7 @@ def test_on_the_cpu_nothing_is_planned_and_batches_stay_whole(
     inferer = _inferer("cpu", 0)
     inferer._load(0, tiny_model_dir)
     assert loads[0]["device"] == "cpu" and inferer.vram_plan is None
-    assert isinstance(inferer._engine, ChunkedEngine) and inferer._engine.max_batch is None
+    assert isinstance(inferer.model.engine, ChunkedEngine) and inferer.model.engine.max_batch is None
     assert inferer.status()["device"] == "cpu"
 
 
@@ -57,7 +57,7 @@ def test_a_roomy_gpu_generates_the_run_batch_whole(tiny_model_dir: Path, loads: 
     inferer = _inferer("cuda:1", 40 * GIB)
     inferer._load(0, tiny_model_dir)
     assert loads[0]["device"] == "cuda:1"
-    assert inferer._engine.max_batch == inferer.config.samples_per_step
+    assert inferer.model.engine.max_batch == inferer.config.samples_per_step
     assert inferer.status()["vram_plan"].startswith("cuda:1: 40.00 GiB free")
 
 
@@ -71,7 +71,7 @@ def test_a_small_gpu_shrinks_the_generation_batch_not_the_run(
     room = plan.weights_bytes + (512 << 20) + 3 * plan.per_sample_bytes  # three samples' worth
     inferer = _inferer("cuda:0", room)
     inferer._load(0, tiny_model_dir)
-    assert inferer._engine.max_batch == 3 < inferer.config.samples_per_step
+    assert inferer.model.engine.max_batch == 3 < inferer.config.samples_per_step
     assert "chunks of 3" in inferer.status()["vram_plan"]
 
 

@@ -23,6 +23,8 @@ import pytest
 
 from prime_node.ml.rollout_log import RolloutLog
 from prime_node.ml.sharded_checkpoint import newest_sharded
+from prime_node.warm_start.process import WarmProcess
+from tests import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -72,7 +74,7 @@ def _metrics(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _rank_process(launcher: subprocess.Popen[bytes], rank: int) -> psutil.Process | None:
+def _rank_process(launcher: subprocess.Popen[Any] | WarmProcess, rank: int) -> psutil.Process | None:
     """torchrun's worker process of ``rank`` (a descendant of the CLI process)."""
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
@@ -85,7 +87,7 @@ def _rank_process(launcher: subprocess.Popen[bytes], rank: int) -> psutil.Proces
     return None
 
 
-def _stop_tree(launcher: subprocess.Popen[bytes]) -> None:
+def _stop_tree(launcher: subprocess.Popen[Any] | WarmProcess) -> None:
     """Leave no process behind if the test fails midway (the launcher runs in a session of its own)."""
     if launcher.poll() is None:
         for child in psutil.Process(launcher.pid).children(recursive=True):
@@ -110,7 +112,7 @@ def test_sigkilled_rank_resumes_from_sharded_checkpoint_losing_no_batch(
     command += ["--nproc", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(tmp_path / "first.log", "wb") as first_log:
-        launcher = subprocess.Popen(
+        launcher = warm_cli.popen(
             command, cwd=REPO, env=env, stdout=first_log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
@@ -134,9 +136,7 @@ def test_sigkilled_rank_resumes_from_sharded_checkpoint_losing_no_batch(
     assert resume_point is not None and 1 <= resume_point.step <= killed_at + 1
     assert resume_point.step % checkpoint_every == 0
 
-    rerun = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=480, check=False
-    )
+    rerun = warm_cli.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=480, check=False)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
 
     after = _metrics(out)[len(before) :]

@@ -84,7 +84,8 @@ def test_a_training_step_never_holds_more_than_one_chunk_of_logits(
     reference's log-probs, the optimizer. 8 samples of 40 tokens: the full logits were 16x one chunk."""
     from prime_node.config import RunConfig
     from prime_node.ml.distributed import DistInfo
-    from prime_node.ml.trainer import GRPOTrainer, Prepared, _micro_batch
+    from prime_node.ml.prepared import Prepared
+    from prime_node.ml.trainer import GRPOTrainer, _micro_batch
 
     monkeypatch.setattr(chunked_head, "LOGIT_CHUNK_BYTES", TRAIN_ROWS * VOCAB * 4)
     model, tokenizer = _big_vocab_model()

@@ -27,6 +27,7 @@ from prime_node.ml.checkpoint import list_checkpoints, read_weights
 from prime_node.ml.local_run import run_local
 from prime_node.ml.rollout_log import RolloutLog
 from prime_node.ml.sharded_checkpoint import list_sharded, newest_sharded
+from tests import warm_cli
 from tests.ml import gloo_step_worker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,7 +137,7 @@ def test_sigkilled_trainer_resumes_and_loses_no_accepted_rollout(
     # Training state every 4 steps: the rerun replays the logged steps after the newest one.
     _write_toml(toml, _config(out, tiny_model_dir, steps, local_inference="process", checkpoint_every=4))
     command = [sys.executable, "-m", "prime_node", "run-trainer", "--config", str(toml), "--local"]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = warm_cli.popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(list_checkpoints(out / "checkpoints")) < 3:
         time.sleep(0.05)
@@ -153,7 +154,7 @@ def test_sigkilled_trainer_resumes_and_loses_no_accepted_rollout(
     accepted = RolloutLog(out / "rollouts.log").batches_from(0)
     assert sorted(accepted) == list(range(len(accepted)))  # every accepted batch, in order, none torn
     untrained = {k for k in accepted if k >= last}  # accepted but in no checkpoint yet: must survive
-    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    finished = warm_cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert finished.returncode == 0, finished.stderr
     after = RolloutLog(out / "rollouts.log").batches_from(0)
     # The restart compacted batches no resume can need (inside every kept checkpoint and the training
@@ -358,7 +359,7 @@ def test_run_trainer_with_two_gloo_processes_trains(tiny_model_dir: Path, tmp_pa
     # Rank 0's inference stage in its child process, as a user's run has it.
     _write_toml(toml, _config(out, tiny_model_dir, 3, prompts_per_step=6, local_inference="process"))
     command = [sys.executable, "-m", "prime_node", "run-trainer", "--config", str(toml), "--local"]
-    done = subprocess.run(
+    done = warm_cli.run(
         [*command, "--nproc", "2", "--dtype", "bf16"],
         cwd=REPO,
         capture_output=True,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +21,7 @@ from prime_node.ml.bpe_tokenizer import MAX_VOCAB, MIN_VOCAB, RESERVED, learned_
 from prime_node.ml.model import load_model, parameter_count
 from prime_node.ml.tokenizer import load_tokenizer
 from prime_node.ml.vram_plan import model_shape as checkpoint_shape
+from tests import warm_cli
 from tests.cli_in_process import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,7 +165,7 @@ def test_init_model_06b_in_a_real_process_and_the_loader_runs_it(tmp_path: Path)
     command and read back by ``load_model`` in its own dtype."""
     out = tmp_path / "qwen3-0.6b"
     command = ["init-model", "--arch", "qwen3", "--size", "0.6b", "--vocab", "4096", str(out), "--json"]
-    done = subprocess.run(
+    done = warm_cli.run(
         [sys.executable, "-m", "prime_node", *command],
         cwd=REPO,
         capture_output=True,

@@ -16,9 +16,10 @@ from prime_node.ml.distributed import DistInfo
 from prime_node.ml.engine import TorchEngine
 from prime_node.ml.grpo import OBJECTIVES, Objective
 from prime_node.ml.model import load_model
+from prime_node.ml.prepared import prepare
 from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch
 from prime_node.ml.tokenizer import load_tokenizer
-from prime_node.ml.trainer import GRPOTrainer, _behaviour_micro_batch, _micro_batch, prepare
+from prime_node.ml.trainer import GRPOTrainer, _behaviour_micro_batch, _micro_batch
 from prime_node.tasks.arithmetic import ArithmeticTask
 from protocol.rollouts import RolloutBatch, pack_logprobs, pack_tokens
 

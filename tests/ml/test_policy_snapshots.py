@@ -33,9 +33,10 @@ from prime_node.ml.fsdp import (
     write_safetensors_shards,
 )
 from prime_node.ml.model import load_model, weight_files
+from prime_node.ml.prepared import Prepared
 from prime_node.ml.session import TrainingSession
 from prime_node.ml.tokenizer import load_tokenizer
-from prime_node.ml.trainer import GRPOTrainer, Prepared
+from prime_node.ml.trainer import GRPOTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5

@@ -9,7 +9,6 @@ count overridden, so the example cannot rot unnoticed.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from prime_node.ml.architectures import write_model_dir
 from prime_node.ml.checkpoint import list_checkpoints, read_weights
 from prime_node.ml.rollout_log import RolloutLog
 from prime_node.ml.tokenizer import load_tokenizer
+from tests import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "run_qwen3_small.toml"
@@ -29,7 +29,7 @@ EXAMPLE = REPO / "examples" / "run_qwen3_small.toml"
 def test_the_qwen3_example_config_trains_on_two_fsdp2_ranks(tmp_path: Path) -> None:
     model = write_model_dir("qwen3", "tiny", 0, tmp_path / "qwen3-tiny")
     out = tmp_path / "run"
-    done = subprocess.run(
+    done = warm_cli.run(
         [
             sys.executable,
             "-m",

@@ -17,11 +17,11 @@ from prime_node.config import RunConfig
 from prime_node.ml.checkpoint import list_checkpoints, optimizer_snapshot, read_weights
 from prime_node.ml.engine import TorchEngine
 from prime_node.ml.model import load_model
+from prime_node.ml.prepared import Prepared, RejectedBatchError
 from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch
 from prime_node.ml.rollout_log import RolloutLog
 from prime_node.ml.session import TrainingSession, merge_prepared
 from prime_node.ml.sharded_checkpoint import list_sharded
-from prime_node.ml.trainer import Prepared, RejectedBatchError
 from protocol.codec import encode
 from protocol.rollouts import RolloutBatch
 

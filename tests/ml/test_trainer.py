@@ -13,9 +13,10 @@ from prime_node.config import RunConfig
 from prime_node.ml.distributed import DistInfo
 from prime_node.ml.engine import TorchEngine
 from prime_node.ml.model import load_model
+from prime_node.ml.prepared import RejectedBatchError, prepare
 from prime_node.ml.rollout_batch import LOCAL_WORKER, make_batch
 from prime_node.ml.tokenizer import load_tokenizer
-from prime_node.ml.trainer import GRPOTrainer, RejectedBatchError, prepare
+from prime_node.ml.trainer import GRPOTrainer
 from prime_node.tasks.arithmetic import ArithmeticTask
 from protocol import schedule
 from protocol.rollouts import RolloutBatch, pack_tokens

@@ -20,8 +20,8 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.roles.trainer_service import TrainerOptions, TrainerService
 from prime_node.testing.adversary import validator_for
+from prime_node.verification.batch_publish import publish_frame
 from prime_node.verification.judge import Judge
-from prime_node.verification.topics import publish_frame
 from prime_node.verification.validator import CheckPolicy
 from protocol.codec import decode
 from protocol.envelope import Envelope

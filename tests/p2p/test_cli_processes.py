@@ -10,16 +10,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from prime_node.node.runner import SHUTDOWN_DEADLINE
+from prime_node.warm_start.process import WarmProcess
+from tests import warm_cli
 
 ENV = {**os.environ, "PRIME_NODE_LOG_LEVEL": "warning"}
 CLI = [sys.executable, "-m", "prime_node"]
 
 
-def _join(data_dir: Path, *extra: str) -> subprocess.Popen[str]:
+def _join(data_dir: Path, *extra: str) -> subprocess.Popen[Any] | WarmProcess:
     args = [
         *CLI,
         "join",
@@ -36,11 +39,11 @@ def _join(data_dir: Path, *extra: str) -> subprocess.Popen[str]:
         "--light-kdf",
         *extra,
     ]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return warm_cli.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
 def _wait_for_node_file(
-    data_dir: Path, process: subprocess.Popen[str], timeout: float = 120
+    data_dir: Path, process: subprocess.Popen[Any] | WarmProcess, timeout: float = 120
 ) -> dict[str, object]:
     """The node's node.json once it says running. ``timeout`` only guards a hang: 30 s was not enough for
     a join to start with three test suites sharing 2 cores (fresh-clone CI under load, issue 31)."""
@@ -57,7 +60,7 @@ def _wait_for_node_file(
 
 
 def _status(data_dir: Path) -> dict[str, object]:
-    out = subprocess.run(
+    out = warm_cli.run(
         [*CLI, "status", "--data-dir", str(data_dir), "--once", "--json"],
         capture_output=True,
         text=True,
@@ -77,7 +80,7 @@ EXIT_LIMIT = SHUTDOWN_DEADLINE + EXIT_MARGIN
 WATCHDOG_MESSAGE = "shutdown took longer than"
 
 
-def _terminate(process: subprocess.Popen[str]) -> None:
+def _terminate(process: subprocess.Popen[Any] | WarmProcess) -> None:
     """SIGTERM ``process`` and wait for it to exit (the wait only guards against a hang: exit 0 is what
     proves the graceful shutdown beat the node's own watchdog)."""
     process.send_signal(signal.SIGTERM)
@@ -85,7 +88,7 @@ def _terminate(process: subprocess.Popen[str]) -> None:
 
 
 def test_join_processes_form_a_swarm_status_shows_it_and_sigterm_stops_cleanly(tmp_path: Path) -> None:
-    processes: list[subprocess.Popen[str]] = []
+    processes: list[subprocess.Popen[Any] | WarmProcess] = []
     try:
         first = _join(tmp_path / "a")
         processes.append(first)
@@ -127,9 +130,7 @@ def test_join_processes_form_a_swarm_status_shows_it_and_sigterm_stops_cleanly(t
 
 
 def _run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, env=ENV, timeout=timeout, check=False
-    )
+    return warm_cli.run([*CLI, *args], capture_output=True, text=True, env=ENV, timeout=timeout, check=False)
 
 
 def _assert_one_line_error(result: subprocess.CompletedProcess[str], fragment: str) -> None:

@@ -5,6 +5,7 @@ reachable within 30 s")."""
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import trio
 
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
+from tests import warm_cli
 from tests.p2p.test_inbound_flood import FloodStats, flood
 
 NET = ["--listen", "/ip4/127.0.0.1/tcp/0", "--dataplane-host", "127.0.0.1", "--heartbeat-interval", "0.5"]
@@ -22,14 +24,14 @@ WALLET = ["--new-wallet", "--no-password", "--light-kdf"]
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "prime_node.cli.main", *args]
+    return [sys.executable, "-m", "prime_node", *args]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["idle", "half"])
 async def test_a_real_fetch_completes_while_the_sharing_process_is_flooded(tmp_path: Path, mode: str) -> None:
     model = write_model_dir(tmp_path / "model", weight_bytes=2 << 20, shards=2)
-    share = subprocess.Popen(
+    share = warm_cli.popen(
         _cli("share", str(model), "--step", "3", "--json", "--data-dir", str(tmp_path / "origin"),
              "--piece-size", "65536", *NET, *WALLET),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -50,8 +52,9 @@ async def test_a_real_fetch_completes_while_the_sharing_process_is_flooded(tmp_p
                 "--trainer", str(shared["trainer"]), "--data-dir", str(tmp_path / "fetcher"),
                 *NET, *WALLET, "--json",
             )  # fmt: skip
-            with trio.fail_after(120):
-                done = await trio.run_process(fetch, capture_stdout=True, capture_stderr=True, check=False)
+            done = await trio.to_thread.run_sync(
+                functools.partial(warm_cli.run, fetch, capture_output=True, timeout=120)
+            )
             nursery.cancel_scope.cancel()
         assert stats.opened >= 300, stats  # the flood really ran
         assert done.returncode == 0, done.stderr.decode()[-2000:]

@@ -15,10 +15,10 @@ from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.hardware import GpuSelection, select_device, to_summary
 from prime_node.ml.distributed import init_from_env
-from prime_node.roles.runner import RoleRunner
+from prime_node.roles.role_runner import RoleRunner
 from protocol.codec import decode, encode
 from protocol.peer_record import HardwareSummary
-from protocol.roles import GpuInfo, HardwareProfile
+from protocol.resources import GpuInfo, HardwareProfile
 
 TWO = (GpuInfo(0, "A", 24_000, (8, 9)), GpuInfo(1, "B", 24_000, (8, 9)))
 

@@ -21,7 +21,7 @@ from prime_node.hardware import (
     to_summary,
 )
 from prime_node.node.runner import local_hardware
-from protocol.roles import GpuInfo
+from protocol.resources import GpuInfo
 
 # `nvidia-smi --query-gpu=index,name,memory.total,compute_cap --format=csv,noheader,nounits`
 RTX_4090 = "0, NVIDIA GeForce RTX 4090, 24564, 8.9\n"

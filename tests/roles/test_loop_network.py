@@ -20,7 +20,7 @@ from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.hardware import GpuSelection
 from prime_node.p2p.libp2p_host import open_libp2p_host
-from prime_node.roles.runner import RoleRunner, RoleSettings
+from prime_node.roles.role_runner import RoleRunner, RoleSettings
 from prime_node.roles.trainer_node import build_trainer_node
 from prime_node.swarm.service import SwarmService, SwarmSettings
 from tests.p2p.helpers import make_config, start_node, wait_until

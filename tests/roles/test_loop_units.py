@@ -242,8 +242,8 @@ def test_only_the_trainer_key_may_run_the_trainer() -> None:
 
 
 def test_merged_batches_keep_every_sample_and_weigh_rewards_by_size() -> None:
+    from prime_node.ml.prepared import Prepared
     from prime_node.ml.session import merge_prepared
-    from prime_node.ml.trainer import Prepared
 
     a = Prepared(3, [[1, 2]], [1], [0.5], 1.0, 1, 1)
     b = Prepared(3, [[4, 5], [6, 7]], [1, 1], [-1.0, 1.0], 0.0, 2, 0)
@@ -256,7 +256,7 @@ def test_merged_batches_keep_every_sample_and_weigh_rewards_by_size() -> None:
 
 
 def test_the_backlog_is_batches_without_a_verdict_in_the_window() -> None:
-    from prime_node.roles.runner import BacklogMeter
+    from prime_node.roles.demand_taps import BacklogMeter
 
     meter = BacklogMeter(window_s=10.0)
     for i in range(5):

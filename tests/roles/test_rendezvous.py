@@ -23,6 +23,7 @@ from prime_node.roles.rendezvous import (
     torchrun_command,
     torchrun_env,
 )
+from tests import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
 hosts = st.from_regex(r"[a-z0-9][a-z0-9.-]{0,30}", fullmatch=True) | st.ip_addresses(v=4).map(str)
@@ -141,7 +142,7 @@ def test_nodes_must_agree_on_the_run_but_not_on_its_paths(tmp_path: Path) -> Non
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warm_cli.run(
         [sys.executable, "-m", "prime_node", "run-trainer", *args],
         cwd=REPO,
         capture_output=True,
@@ -191,7 +192,7 @@ def test_a_node_that_does_not_see_the_shared_output_directory_stops_every_node(t
     flags = ["--local", "--nnodes", "2", "--rdzv-endpoint", endpoint]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
-        subprocess.Popen(
+        warm_cli.popen(
             [
                 sys.executable,
                 "-m",

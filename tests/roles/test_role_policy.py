@@ -10,18 +10,16 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from protocol.errors import InvariantError, LocalProtocolError
+from protocol.resources import GpuInfo, HardwareProfile, RunRequirements
 from protocol.roles import (
     INFERER,
     ROLES,
     SEEDER,
     TRAINER,
     VALIDATOR,
-    GpuInfo,
-    HardwareProfile,
     RoleDecision,
     RolePolicyConfig,
     RoleState,
-    RunRequirements,
     SwarmDemand,
     choose_role,
     inference_fit,

@@ -16,7 +16,7 @@ import trio
 from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.node.service import Node
-from prime_node.roles.runner import RoleRunner
+from prime_node.roles.role_runner import RoleRunner
 from prime_node.roles.trainer_node import build_trainer_node
 from tests.p2p.helpers import make_config, start_node, wait_until
 from tests.roles.test_loop_network import OPEN, RUN_ID, _joiner, warm_model_dir  # noqa: F401

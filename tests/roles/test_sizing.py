@@ -15,24 +15,19 @@ from typing import Any
 import pytest
 
 from prime_node.config import RunConfig
+from prime_node.cpu_compute import default_threads, measure_cpu_decode, role_threads
 from prime_node.errors import NodeError
-from prime_node.hardware import (
-    cpu_cores,
-    default_threads,
-    measure_cpu_decode,
-    role_threads,
-)
+from prime_node.hardware import cpu_cores
 from prime_node.ml.architectures import create_model, model_shape, write_model_dir
-from prime_node.roles import runner as runner_module
+from prime_node.roles import role_runner as runner_module
 from prime_node.roles.choice import needed_tokens_per_s
-from prime_node.roles.runner import measured_profile, requirements_for
+from prime_node.roles.role_runner import measured_profile, requirements_for
 from prime_node.roles.trainer_service import trainer_threads
+from protocol.resources import GpuInfo, HardwareProfile
 from protocol.roles import (
     INFERER,
     SEEDER,
     VALIDATOR,
-    GpuInfo,
-    HardwareProfile,
     RolePolicyConfig,
     SwarmDemand,
     choose_role,

@@ -16,7 +16,7 @@ from prime_node.node.snapshot import prometheus_text
 from prime_node.status.sections import availability_bar, sparkline
 from prime_node.status.swarm_view import render_swarm
 from prime_node.status.tui import render
-from protocol.roles import GpuInfo, HardwareProfile
+from protocol.resources import GpuInfo, HardwareProfile
 
 TRAINER = "0x" + "ab" * 20
 WORKER = "0x" + "cd" * 20

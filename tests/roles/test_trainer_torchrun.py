@@ -30,6 +30,7 @@ from prime_node.demo.setup import (
     trainer_command,
 )
 from prime_node.demo.supervisor import Child, Supervisor
+from tests import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_RUN = {
@@ -213,7 +214,7 @@ def test_exit_when_done_ends_every_rank_together(tmp_path: Path, warm_model_dir:
     """max_steps 0: rank 0 opens the session, shares policy 0, evaluates it and stops the node; its
     session.close() releases rank 1, and every process exits 0."""
     plan = _plan(tmp_path, warm_model_dir, steps=0)
-    done = subprocess.run(
+    done = warm_cli.run(
         [*trainer_command(plan), "--nproc", "2", "--exit-when-done"],
         capture_output=True,
         text=True,
@@ -231,7 +232,7 @@ def test_exit_when_done_ends_every_rank_together(tmp_path: Path, warm_model_dir:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return warm_cli.run(
         [sys.executable, "-m", "prime_node", *args],
         cwd=REPO,
         capture_output=True,
@@ -291,7 +292,7 @@ def _ask_for_key(directory: Path) -> subprocess.CompletedProcess[str]:
     """A real process that asks for the key as rank 0 does (a child of this test process)."""
     code = (
         "import sys; from pathlib import Path; from prime_node.errors import NodeError\n"
-        "from prime_node.roles.trainer_ranks import receive_key\n"
+        "from prime_node.roles.trainer_launcher import receive_key\n"
         "try:\n    print(receive_key(Path(sys.argv[1]), timeout=20).address)\n"
         "except NodeError as exc:\n    print('refused', exc.reason)\n"
     )
@@ -307,7 +308,7 @@ def _ask_for_key(directory: Path) -> subprocess.CompletedProcess[str]:
 
 def test_the_key_goes_only_to_a_child_of_the_torchrun_the_launcher_started(tmp_path: Path) -> None:
     from crypto.keys import WalletKey
-    from prime_node.roles.trainer_ranks import KeyHandoff
+    from prime_node.roles.trainer_launcher import KeyHandoff
 
     key = WalletKey.generate()
     stranger = KeyHandoff(tmp_path, key)

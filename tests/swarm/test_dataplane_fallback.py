@@ -18,7 +18,8 @@ from prime_node.node.context import RecordPart
 from prime_node.p2p.libp2p_host import open_libp2p_host
 from prime_node.swarm.service import SwarmService, SwarmSettings
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
-from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings
+from prime_node.verification.batch_transfer import BatchTransfer
+from prime_node.verification.transfer_settings import TransferSettings
 from protocol.rollout_transfer import announcement_for
 from tests.p2p.helpers import make_config, start_node
 from tests.swarm.network_helpers import OPEN

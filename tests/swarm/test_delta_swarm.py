@@ -245,8 +245,8 @@ async def test_a_trainer_signed_delta_that_rebuilds_other_bytes_is_refused_and_t
                 full=full1.manifest, base_id=full0.id(), now_ms=1, max_bytes=1 << 30,
             )  # fmt: skip
             assert bad is not None
-            await swarm._announce(bad.manifest, bad.envelope)
-            swarm._hold_delta(bad.manifest, bad.envelope, bad.directory)  # as publish does: delta first
+            await swarm.publisher.announce(bad.manifest, bad.envelope)
+            swarm.publisher.hold_delta(bad.manifest, bad.envelope, bad.directory)  # as publish: delta first
             source = OriginDirectory(steps[1], full1.manifest)
             swarm._hold(swarm.holdings.add(full1.manifest, full1.envelope, source, store=None,
                                            path=steps[1], origin=True))  # fmt: skip
@@ -353,7 +353,7 @@ async def test_deltas_signed_in_a_circle_neither_hang_nor_loop(tmp_path: Path) -
                 max_bytes=1 << 30,
             )
             assert shared is not None
-            assert swarm._hold_delta(shared.manifest, shared.envelope, shared.directory)
+            assert swarm.publisher.hold_delta(shared.manifest, shared.envelope, shared.directory)
             circle.append(shared.manifest)
         other = await start_peer(nursery, tmp_path, 1, trainer=trainer, bootstrap=boot, follow=False)
         with trio.fail_after(60):

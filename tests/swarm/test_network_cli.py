@@ -11,23 +11,25 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from crypto.keys import WalletKey
 from prime_node.testing.swarm_fixtures import read_tree, write_model_dir
 from protocol.swarm.pieceset import from_wire
+from tests import warm_cli
 
 NET = ["--listen", "/ip4/127.0.0.1/tcp/0", "--dataplane-host", "127.0.0.1", "--heartbeat-interval", "0.5"]
 WALLET = ["--new-wallet", "--no-password", "--light-kdf"]
 
 
-def run(command: list[str], **options: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, check=False, capture_output=True, text=True, **options)  # type: ignore[call-overload, no-any-return]
+def run(command: list[str], **options: Any) -> subprocess.CompletedProcess[str]:
+    return warm_cli.run(command, check=False, capture_output=True, text=True, **options)
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "prime_node.cli.main", *args]
+    return [sys.executable, "-m", "prime_node", *args]
 
 
 def fetch(tmp: Path, name: str, mid: str, share: dict[str, object], *extra: str) -> list[str]:
@@ -41,7 +43,7 @@ def fetch(tmp: Path, name: str, mid: str, share: dict[str, object], *extra: str)
 @pytest.fixture
 def seeder(tmp_path: Path) -> Iterator[tuple[dict[str, object], Path]]:
     model = write_model_dir(tmp_path / "model", weight_bytes=4 << 20, shards=2)
-    process = subprocess.Popen(
+    process = warm_cli.popen(
         cli("share", str(model), "--step", "9", "--json", "--data-dir", str(tmp_path / "origin"),
             "--piece-size", "4096", *NET, *WALLET),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -133,7 +135,7 @@ def test_a_fetcher_killed_with_sigkill_resumes_from_its_verified_pieces(
     mid = str(share["manifest_id"])
     pieces = int(share["pieces"])  # type: ignore[call-overload]
     command = fetch(tmp_path, "out", mid, share)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = warm_cli.popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     progress = tmp_path / "d-out" / "swarm" / "pieces" / mid / "progress"
     held = 0
     deadline = time.monotonic() + 90
@@ -169,7 +171,7 @@ def test_a_full_disk_is_one_line_and_a_rerun_with_room_completes(
     mid = str(share["manifest_id"])
     small = tmp_path / "small"
     small.mkdir()
-    if run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)]).returncode != 0:
+    if run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], timeout=60).returncode != 0:
         pytest.skip("needs permission to mount a small tmpfs")
     try:
         full = run(fetch(small, "out", mid, share), timeout=120)
@@ -177,7 +179,7 @@ def test_a_full_disk_is_one_line_and_a_rerun_with_room_completes(
         assert full.stderr.strip().splitlines()[-1].startswith("error: disk full"), full.stderr
         assert not (small / "out").exists()
     finally:
-        run(["umount", "-l", str(small)])
+        run(["umount", "-l", str(small)], timeout=60)
     done = run(fetch(tmp_path, "out", mid, share), timeout=120)
     assert done.returncode == 0, done.stderr
     assert read_tree(tmp_path / "out") == read_tree(model)

@@ -9,9 +9,11 @@ extra attacker identity joining it from this process, and returns what the run r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,11 +31,13 @@ from prime_node.node.service import Node
 from prime_node.node_config import NodeConfig
 from prime_node.p2p.libp2p_host import open_libp2p_host
 from prime_node.verification.proving import seal_batch
+from prime_node.warm_start.process import WarmProcess
 from protocol.codec import decode, encode
 from protocol.errors import ProtocolError
 from protocol.rollouts import RolloutBatch, RolloutSample, pack_logprobs, pack_tokens
 from protocol.swarm.messages import Announce
 from protocol.topics import CHECKPOINTS_TOPIC, ROLLOUTS_TOPIC
+from tests import warm_cli
 
 RATE_HZ = 5.0
 
@@ -115,7 +119,9 @@ def _trainer_multiaddr(workdir: Path) -> str | None:
     return next((a for a in document.get("multiaddrs") or [] if isinstance(a, str) and "/p2p/" in a), None)
 
 
-async def _attack(workdir: Path, demo: trio.Process, stats: FloodStats, rate_hz: float) -> None:
+async def _attack(
+    workdir: Path, demo: subprocess.Popen[Any] | WarmProcess, stats: FloodStats, rate_hz: float
+) -> None:
     """Join the demo's swarm as a fresh identity once its trainer is up, and flood until the demo ends."""
     while (address := _trainer_multiaddr(workdir)) is None or not (workdir / "run.toml").exists():
         if demo.returncode is not None:
@@ -153,24 +159,19 @@ async def _run_demo(
         *("--workdir", str(workdir), "--timeout", str(timeout_s)),
     ]
     stats = FloodStats()
-    async with trio.open_nursery() as nursery:
-        demo = await trio.lowlevel.open_process(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env}
-        )
-        out, err = bytearray(), bytearray()
-
-        async def drain(stream: Any, into: bytearray) -> None:
-            async for chunk in stream:
-                into.extend(chunk)
-
-        assert demo.stdout is not None and demo.stderr is not None
-        nursery.start_soon(drain, demo.stdout, out)
-        nursery.start_soon(drain, demo.stderr, err)
-        if attack:
-            nursery.start_soon(_attack, workdir, demo, stats, rate_hz)
-        with trio.fail_after(timeout_s + 60):
-            await demo.wait()
-        nursery.cancel_scope.cancel()
+    demo = warm_cli.popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
+    try:
+        async with trio.open_nursery() as nursery:
+            if attack:
+                nursery.start_soon(_attack, workdir, demo, stats, rate_hz)
+            # Both pipes to their ends, then the exit status (in a thread: the flood runs meanwhile).
+            communicate = functools.partial(demo.communicate, timeout=timeout_s + 60)  # a hang guard
+            out, err = await trio.to_thread.run_sync(communicate, abandon_on_cancel=True)  # type: ignore[call-arg, unused-ignore]
+            nursery.cancel_scope.cancel()
+    finally:
+        if demo.returncode is None:  # failed or cancelled: stop the demo (it ends its own processes)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(demo.pid, signal.SIGTERM)
     assert demo.returncode is not None
     return demo.returncode, out.decode(), err.decode(), stats
 

@@ -16,7 +16,7 @@ import trio
 from crypto.digests import blake3
 from crypto.keys import WalletKey
 from prime_node.testing.adversary import build_scenario
-from prime_node.verification.topics import publish_frame
+from prime_node.verification.batch_publish import publish_frame
 from protocol.rollouts import RolloutBatch
 from protocol.verdict import Verdict, seal_verdict
 from tests.p2p.helpers import wait_until

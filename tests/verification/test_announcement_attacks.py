@@ -15,7 +15,8 @@ from crypto.keys import WalletKey
 from prime_node.dataplane.channel import AuthenticatedChannel
 from prime_node.dataplane.connect import serve_channels
 from prime_node.testing.memory_streams import MemoryStreamNetwork
-from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings
+from prime_node.verification.batch_transfer import BatchTransfer
+from prime_node.verification.transfer_settings import TransferSettings
 from protocol.codec import decode, encode
 from protocol.rollout_transfer import (
     MAX_CHANNEL_FRAME,

@@ -15,8 +15,8 @@ from crypto.keys import WalletKey
 from prime_node.dataplane.channel import AuthenticatedChannel
 from prime_node.dataplane.connect import serve_channels
 from prime_node.p2p.libp2p_host import open_libp2p_host
+from prime_node.verification.batch_publish import ROLLOUTS_TOPIC, publish_frame
 from prime_node.verification.batch_transfer import BatchTransfer
-from prime_node.verification.topics import ROLLOUTS_TOPIC, publish_frame
 from protocol.codec import decode, encode
 from protocol.envelope import Envelope
 from protocol.rollout_transfer import (

@@ -10,7 +10,8 @@ import trio
 from crypto.digests import blake3
 from crypto.keys import WalletKey
 from prime_node.dataplane.connect import open_channel
-from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings
+from prime_node.verification.batch_transfer import BatchTransfer
+from prime_node.verification.transfer_settings import TransferSettings
 from protocol.codec import decode, encode
 from protocol.rollout_transfer import (
     BUSY,

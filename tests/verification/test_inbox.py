@@ -25,11 +25,12 @@ from prime_node.node.context import NodeContext
 from prime_node.node.gossip import Delivered
 from prime_node.testing.memory_streams import MemoryStreamNetwork
 from prime_node.verification.admission_service import AdmissionService
-from prime_node.verification.batch_transfer import BatchTransfer, TransferSettings
+from prime_node.verification.batch_transfer import BatchTransfer
 from prime_node.verification.fair_slots import FairSlots, NewestFirstQueue
 from prime_node.verification.inbox import IntakeHooks, RolloutInbox, new_batch_id
 from prime_node.verification.proving import seal_batch
 from prime_node.verification.service import ValidatorService, ValidatorSettings
+from prime_node.verification.transfer_settings import TransferSettings
 from protocol.codec import encode
 from protocol.fair_queue import FairQueue
 from protocol.rollout_transfer import announcement_for
@@ -513,7 +514,7 @@ async def test_every_screened_batch_is_archived_once_and_a_failing_archive_never
 
 
 def test_a_demand_view_counts_a_frame_and_a_workers_own_offer_but_not_a_re_servers() -> None:
-    """``new_batch_id``: the rule roles/runner.py's backlog applies to the topic, in the inbox's package."""
+    """``new_batch_id``: the rule roles/demand_taps's backlog applies to the topic, in the inbox's package."""
     worker, validator = WalletKey.generate(), WalletKey.generate()
     frame = _frame(worker)
     offer = announcement_for(

@@ -27,8 +27,13 @@ from prime_node.p2p.libp2p_host import open_libp2p_host
 from prime_node.roles.inferer_service import InfererService
 from prime_node.roles.trainer_service import TrainerOptions, TrainerService
 from prime_node.testing.adversary import build_scenario
+from prime_node.verification.batch_publish import (
+    MAX_GOSSIPED_BATCH,
+    ROLLOUTS_TOPIC,
+    publish_batch,
+    publish_frame,
+)
 from prime_node.verification.batch_transfer import BatchTransfer
-from prime_node.verification.topics import MAX_GOSSIPED_BATCH, ROLLOUTS_TOPIC, publish_batch, publish_frame
 from prime_node.verification.validator import CheckPolicy
 from protocol.codec import encode
 from protocol.scoring import ScoringConfig

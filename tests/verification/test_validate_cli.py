@@ -16,6 +16,7 @@ from prime_node.ml.model import create_tiny_model, save_model_dir
 from prime_node.testing.adversary import build_scenario
 from protocol.codec import decode
 from protocol.envelope import Envelope
+from tests import warm_cli
 from tests.cli_in_process import run_cli
 
 CONFIG = """
@@ -31,7 +32,7 @@ seed = 7
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_NODE_")}
-    return subprocess.run(
+    return warm_cli.run(
         [sys.executable, "-m", "prime_node", *args],
         check=False,
         capture_output=True,

@@ -14,8 +14,8 @@ from prime_node.config import RunConfig
 from prime_node.node.service import Node
 from prime_node.testing.memory_network import MemoryNetwork
 from prime_node.verification.admission_service import AdmissionService
+from prime_node.verification.batch_publish import VERDICTS_TOPIC
 from prime_node.verification.reputation import ReputationService
-from prime_node.verification.topics import VERDICTS_TOPIC
 from protocol.codec import encode
 from protocol.envelope import Envelope
 from tests.p2p.helpers import make_config, sees_all, start_node, wait_until

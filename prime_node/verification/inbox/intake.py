@@ -15,6 +15,7 @@ from crypto.digests import blake3
 from crypto.keys import Address, WalletKey
 from prime_node.errors import NodeError
 from prime_node.node.stage_times import StageTimes
+from prime_node.verification.batch_publish import ROLLOUTS_TOPIC
 from prime_node.verification.batch_transfer import BatchTransfer, ban_peer
 from prime_node.verification.fair_slots import NewestFirstQueue
 from prime_node.verification.inbox.archiving import Archiver
@@ -28,7 +29,6 @@ from prime_node.verification.inbox.terms import (
 )
 from prime_node.verification.proving import rollout_domain
 from prime_node.verification.reasons import BELOW_FLOOR, Reason
-from prime_node.verification.topics import ROLLOUTS_TOPIC
 from protocol.codec import encode
 from protocol.envelope import FreshnessWindow
 from protocol.errors import RemoteProtocolError

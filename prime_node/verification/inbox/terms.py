@@ -9,8 +9,8 @@ from typing import Protocol
 
 from crypto.digests import blake3
 from crypto.keys import Address
-from prime_node.verification.batch_transfer import TransferSettings
 from prime_node.verification.reasons import BELOW_FLOOR
+from prime_node.verification.transfer_settings import TransferSettings
 from protocol.rollout_transfer import RolloutAnnouncement, read_announcement
 from protocol.rollouts import BatchHeader
 
@@ -110,7 +110,7 @@ class Intake(Protocol):
 def new_batch_id(payload: bytes, origin: Address) -> bytes | None:
     """The id of the new batch a ``rollouts`` message brings, for a demand view that only counts them: a
     gossiped frame's BLAKE3, or the id of a worker's own offer; None for a re-server's announcement of a
-    batch already offered (roles/runner.py's backlog reads the topic this way)."""
+    batch already offered (roles/demand_taps.py's backlog reads the topic this way)."""
     announcement = read_announcement(payload)
     if announcement is None:
         return blake3(payload)

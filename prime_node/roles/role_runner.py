@@ -11,15 +11,15 @@ service in its own cancel scope, cancelling the previous one. A seeder runs noth
 swarm already re-serves every piece this node holds.
 
 CPU roles: the role computes with the torch threads the node is given (``--threads``, by default every
-core: ``hardware.role_threads``), and the profile offers that many cores. Where the run lets inferers
+core: ``cpu_compute.role_threads``), and the profile offers that many cores. Where the run lets inferers
 use the CPU (its ``inferer_devices``) and the node has no GPU, the runner measures how fast those threads
-decode in the run's dtype and batch (``hardware.measure_cpu_decode``, well under a second) before the
+decode in the run's dtype and batch (``cpu_compute.measure_cpu_decode``, well under a second) before the
 first decision, and the policy makes it an inferer only when that rate generates a batch in time
 (``needed_tokens_per_s``) and the weights fit in RAM.
 
 Demand (advisory; it only steers roles, never admission): live inferers and validators from peer
-records' ``role``; the backlog is the number of rollout batches gossiped in the last minute that no
-verdict has named yet (a validator uses its own queue length instead).
+records' ``role``; the backlog of batches no verdict has named yet from the runner's own gossip taps
+(demand_taps.py, which also turns the role's status into the progress lines).
 
 The trainer's demand (issue 38: which policy steps it still accepts, how many batches it still wants;
 ``roles/demand.py``) is heard by one ``DemandView`` per node, started once the run's trainer is known and
@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +47,9 @@ import trio
 
 from crypto.keys import Address, WalletKey
 from prime_node.config import RunConfig
+from prime_node.cpu_compute import measure_cpu_decode, role_threads
 from prime_node.errors import NodeError
-from prime_node.hardware import measure_cpu_decode, probe, role_threads, select_device, to_summary
+from prime_node.hardware import probe, select_device, to_summary
 from prime_node.ml.engines import admit_device
 from prime_node.ml.vram_plan import model_shape
 from prime_node.node.context import RecordPart
@@ -60,59 +60,26 @@ from prime_node.roles.choice import (
     requirements_for_shape,
 )
 from prime_node.roles.demand import DemandView
+from prime_node.roles.demand_taps import BacklogTaps, role_progress
 from prime_node.roles.inferer_service import InfererService
 from prime_node.roles.progress import PROGRESS_INTERVAL_S, Progress, ProgressReporter
 from prime_node.verification.batch_archive import BatchArchive
 from prime_node.verification.cheating import CheatingProducer
-from prime_node.verification.inbox import IntakeHooks, new_batch_id
+from prime_node.verification.inbox import IntakeHooks
 from prime_node.verification.reputation import ReputationService
 from prime_node.verification.service import ValidatorService, ValidatorSettings
-from prime_node.verification.topics import ROLLOUTS_TOPIC, VERDICTS_TOPIC
-from protocol.codec import decode
-from protocol.envelope import Envelope
-from protocol.errors import ProtocolError
 from protocol.membership import PeerState
 from protocol.roles import SwarmDemand
-from protocol.verdict import Verdict
 
 if TYPE_CHECKING:
     from prime_node.hardware import GpuSelection
     from prime_node.node.context import NodeContext
-    from prime_node.node.gossip import Delivered
     from prime_node.swarm.service import SwarmService
     from protocol.peer_record import HardwareSummary
-    from protocol.roles import HardwareProfile, RoleDecision, RoleState, RunRequirements
+    from protocol.resources import HardwareProfile, RunRequirements
+    from protocol.roles import RoleDecision, RoleState
 
 log = logging.getLogger(__name__)
-BACKLOG_WINDOW_S = 60.0
-MAX_TRACKED = 4096
-
-
-class BacklogMeter:
-    """Rollout batches seen recently that no verdict has named yet (bounded)."""
-
-    def __init__(self, window_s: float = BACKLOG_WINDOW_S) -> None:
-        self.window_s = window_s
-        self._pending: OrderedDict[bytes, float] = OrderedDict()
-        self._judged: OrderedDict[bytes, None] = OrderedDict()
-
-    def rollout(self, batch_id: bytes, now: float) -> None:
-        if batch_id in self._judged or batch_id in self._pending:
-            return
-        self._pending[batch_id] = now
-        while len(self._pending) > MAX_TRACKED:
-            self._pending.popitem(last=False)
-
-    def verdict(self, batch_id: bytes) -> None:
-        self._pending.pop(batch_id, None)
-        self._judged[batch_id] = None
-        while len(self._judged) > MAX_TRACKED:
-            self._judged.popitem(last=False)
-
-    def backlog(self, now: float) -> int:
-        while self._pending and next(iter(self._pending.values())) < now - self.window_s:
-            self._pending.popitem(last=False)
-        return len(self._pending)
 
 
 def preload(threads: int = 0) -> None:
@@ -175,7 +142,7 @@ class RoleSettings:
     """A role is kept at least this long before the policy may switch away."""
     threads: int = 0
     """``--threads``: torch threads of the role's model work, and the cores the node offers; 0: every core
-    this process may use (``hardware.default_threads``)."""
+    this process may use (``cpu_compute.default_threads``)."""
     progress_interval_s: float = PROGRESS_INTERVAL_S
     """At most this often a progress line to ``notify`` (``roles.progress``), and a summary on stop."""
     progress_json: bool = False
@@ -220,7 +187,7 @@ class RoleRunner:
             )
         )
         self.follower = RunFollower(run_id, pinned=settings.trainer, notify=notify)
-        self.meter = BacklogMeter()
+        self.taps = BacklogTaps()
         self.config: RunConfig | None = None
         self.profile: HardwareProfile | None = None
         self.state: RoleState | None = None
@@ -262,20 +229,7 @@ class RoleRunner:
 
     def progress(self) -> Progress | None:
         """The contributor's view for the progress lines (None until the run is known)."""
-        if self.config is None:
-            return None
-        newest = self.swarm.newest()
-        work = self.service.status() if self.service is not None else {}
-        return Progress(
-            role=self.role,
-            policy_held=newest[0] if newest is not None else None,
-            max_steps=self.config.max_steps,
-            published=int(work.get("published", 0)) if self.role == "inferer" else 0,
-            accepted=int(work.get("accepted", 0)) if self.role == "inferer" else 0,
-            rejected=dict(work.get("rejected", {})) if self.role == "inferer" else {},
-            validated=int(work.get("validated", 0)) if self.role == "validator" else 0,
-            bytes_served=int(self.swarm.dataplane.bytes_out),
-        )
+        return role_progress(self.role, self.config, self.swarm, self.service)
 
     def record_part(self) -> RecordPart:
         """The role chosen and the hardware --gpu selected, once known (else the node's own view)."""
@@ -320,7 +274,8 @@ class RoleRunner:
                     run_config=config,
                 )
             await nursery.start(self.demand.run, context)
-            await self._tap(context)
+            # Only the policy needs the backlog: a pinned role does not hear (and decode) every batch.
+            await self.taps.subscribe(context, rollouts=self.pinned is None)
             self.reason = "waiting for the first checkpoint"
             _, path = await self.swarm.wait_newer(None)
             requirements = requirements_for(config, path)
@@ -350,7 +305,7 @@ class RoleRunner:
                 inferers += member.record.role == "inferer"
                 validators += member.record.role == "validator"
         now = trio.current_time()
-        backlog = self.meter.backlog(now)
+        backlog = self.taps.backlog(now)
         if self.role == "validator" and self.service is not None:
             backlog = int(self.service.status().get("backlog", backlog))
         return decide_role(
@@ -459,27 +414,3 @@ class RoleRunner:
     def _current_step(self) -> int:
         newest = self.swarm.newest()
         return newest[0] if newest is not None else 0
-
-    # -- demand taps: the runner hears rollouts (unless pinned) and verdicts beside the role's services --
-
-    async def _tap(self, context: NodeContext) -> None:
-
-        await context.gossip.subscribe(VERDICTS_TOPIC, self._on_verdict)
-        if self.pinned is None:  # only the policy needs the backlog: receiving every batch costs CPU
-            await context.gossip.subscribe(ROLLOUTS_TOPIC, self._on_rollout)
-
-    async def _on_rollout(self, message: Delivered) -> None:
-        """Count a new rollout batch: a gossiped batch, or a worker's own offer of one that moves over the
-        data plane (peers that re-announce a batch they fetched do not make it a new one): the inbox's
-        rule (verification/inbox), so the backlog and the intake count the same batches."""
-        batch_id = new_batch_id(message.payload, message.origin)
-        if batch_id is not None:
-            self.meter.rollout(batch_id, trio.current_time())
-
-    async def _on_verdict(self, message: Delivered) -> None:
-
-        try:
-            verdict = decode(decode(message.payload, Envelope).payload, Verdict)
-        except ProtocolError:
-            return
-        self.meter.verdict(verdict.batch_id)
