@@ -24,6 +24,9 @@ the next encoded, applied and checked byte-identical:
   and published rounded to bf16. ``encode_s_per_gb`` and ``apply_s_per_gb`` are against copying the same
   directory (``shutil.copytree``, page cache) in the same process (``copy_s_per_gb``, ``*_vs_copy``); each
   is the median of ``--repeats`` runs (the machine is shared), with the CPU seconds per GB beside it.
+  ``--kernels both`` (the default) times the codec's compiled chunk kernels and its numpy path alternately
+  in the same run (``kernels`` names the path of the headline figures, ``throughput_06b_numpy`` the other;
+  both must code deltas of the same size).
 
 Timings are on this machine's CPU, with ``torch`` at one thread; ``full_copy_s`` (copying the full published
 directory) is the baseline the apply time is compared with. Prints ONE JSON line.
@@ -178,8 +181,22 @@ def _deltas(versions: list[Path], work: Path) -> dict[str, Any]:
     }
 
 
-def _throughput(work: Path, seed: int, lr: float, steps: int, repeats: int, codec: str) -> dict[str, Any]:
-    """Encode and apply speed at the 0.6b shape in bf16 (see the module doc), against a copy."""
+def _use_kernels(path: str) -> str:
+    """Select the codec's chunk path for this process (``delta_select``): "numba" or "numpy"; returns
+    the one in use ("numpy" where numba is missing)."""
+    from prime_node.swarm import delta_select
+
+    os.environ[delta_select.ENV] = path
+    delta_select.kernels.cache_clear()
+    return "numpy" if delta_select.kernels() is None else "numba"
+
+
+def _throughput(
+    work: Path, seed: int, lr: float, steps: int, repeats: int, codec: str, paths: tuple[str, ...]
+) -> dict[str, dict[str, Any]]:
+    """Encode and apply speed at the 0.6b shape in bf16 (see the module doc), against a copy, for each
+    of the codec's chunk ``paths``, alternating within each repeat (a same-run ratio on a shared
+    machine)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -208,72 +225,83 @@ def _throughput(work: Path, seed: int, lr: float, steps: int, repeats: int, code
             master.add_((torch.rand(master.shape, generator=generator) * 2 - 1) * lr)
     del masters
     shutil.rmtree(model)
-    encode_s: list[float] = []
-    apply_s: list[float] = []
-    copy_s: list[float] = []
-    encode_cpu: list[float] = []
-    apply_cpu: list[float] = []
-    ratios: list[float] = []
-    changed: list[float] = []
-    full_bytes = 0
-    for index, (base, target) in enumerate(itertools.pairwise(versions)):
-        delta, out, copy = work / f"delta_{index}", work / f"out_{index}", work / f"copy_{index}"
-        runs: dict[str, list[float]] = {name: [] for name in TIMED}
-        for _ in range(repeats):  # the machine is shared: each measurement repeated, the median kept
-            cpu = time.process_time()
-            stats = encode_delta(base, target, delta)
-            runs["encode"].append(stats.seconds)
-            runs["encode_cpu"].append(time.process_time() - cpu)
-            began, cpu = time.perf_counter(), time.process_time()
-            apply_delta(base, delta, out, max_output_bytes=stats.full_bytes)
-            runs["apply"].append(time.perf_counter() - began)
-            runs["apply_cpu"].append(time.process_time() - cpu)
-            began = time.perf_counter()
-            shutil.copytree(target, copy)
-            runs["copy"].append(time.perf_counter() - began)
-            for path in sorted(target.iterdir()):
-                if (out / path.name).read_bytes() != path.read_bytes():
-                    raise SystemExit(f"0.6b delta {index}: {path.name} was not reconstructed byte-identical")
-            shutil.rmtree(out)
-            shutil.rmtree(copy)
-            delta.unlink()
-        for name, found in (
-            ("encode", encode_s),
-            ("apply", apply_s),
-            ("copy", copy_s),
-            ("encode_cpu", encode_cpu),
-            ("apply_cpu", apply_cpu),
-        ):
-            found.append(statistics.median(runs[name]))
-        ratios.append(stats.delta_bytes / stats.full_bytes)
-        changed.append(stats.changed_values / stats.total_values)
-        full_bytes = stats.full_bytes
-    gb = full_bytes / 1e9
-    encode, apply, copy_mean = (statistics.median(x) for x in (encode_s, apply_s, copy_s))
-    return {
-        "full_bytes": full_bytes,
-        "lr": lr,
-        "deltas": len(ratios),
-        "repeats": repeats,
-        "ratio_mean": sum(ratios) / len(ratios),
-        "ratio_per_delta": [round(r, 5) for r in ratios],
-        "changed_fraction": sum(changed) / len(changed),
-        "encode_s_per_gb": encode / gb,
-        "apply_s_per_gb": apply / gb,
-        "copy_s_per_gb": copy_mean / gb,
-        "encode_gb_per_s": gb / encode,
-        "apply_gb_per_s": gb / apply,
-        "copy_gb_per_s": gb / copy_mean,
-        "encode_vs_copy": encode / copy_mean,
-        "apply_vs_copy": apply / copy_mean,
-        "encode_cpu_s_per_gb": statistics.median(encode_cpu) / gb,
-        "apply_cpu_s_per_gb": statistics.median(apply_cpu) / gb,
-        "encode_s": [round(x, 3) for x in encode_s],
-        "apply_s": [round(x, 3) for x in apply_s],
-        "copy_s": [round(x, 3) for x in copy_s],
-        "cores": len(os.sched_getaffinity(0)),
-        "load_average": os.getloadavg()[0],
-    }
+    results: dict[str, dict[str, Any]] = {}
+    runs = {path: [{name: [] for name in TIMED} for _ in versions[1:]] for path in paths}
+    stats_of: dict[tuple[str, int], Any] = {}
+    used: dict[str, str] = {}
+    for path in paths:  # untimed: numba compiles (or loads its cache) on first use
+        if _use_kernels(path) != "numba":
+            continue
+        _time_once(encode_delta, apply_delta, versions[0], versions[1], work / "warm", runs[path][0])
+        runs[path][0] = {name: [] for name in TIMED}
+    for _ in range(repeats):  # the machine is shared: each measurement repeated, the median kept
+        for path in paths:
+            used[path] = _use_kernels(path)
+            for index, (base, target) in enumerate(itertools.pairwise(versions)):
+                stats_of[path, index] = _time_once(
+                    encode_delta, apply_delta, base, target, work / f"{path}_{index}", runs[path][index]
+                )
+    for path in paths:
+        encode_s, apply_s, copy_s, encode_cpu, apply_cpu = (
+            [statistics.median(run[name]) for run in runs[path]] for name in TIMED
+        )
+        stats = [stats_of[path, index] for index in range(len(versions) - 1)]
+        ratios = [found.delta_bytes / found.full_bytes for found in stats]
+        gb = stats[0].full_bytes / 1e9
+        encode, apply, copy_mean = (statistics.median(x) for x in (encode_s, apply_s, copy_s))
+        results[path] = {
+            "kernels": used[path],
+            "full_bytes": stats[0].full_bytes,
+            "lr": lr,
+            "deltas": len(ratios),
+            "repeats": repeats,
+            "ratio_mean": sum(ratios) / len(ratios),
+            "ratio_per_delta": [round(r, 5) for r in ratios],
+            "delta_bytes": [found.delta_bytes for found in stats],
+            "changed_fraction": sum(f.changed_values / f.total_values for f in stats) / len(stats),
+            "encode_s_per_gb": encode / gb,
+            "apply_s_per_gb": apply / gb,
+            "copy_s_per_gb": copy_mean / gb,
+            "encode_gb_per_s": gb / encode,
+            "apply_gb_per_s": gb / apply,
+            "copy_gb_per_s": gb / copy_mean,
+            "encode_vs_copy": encode / copy_mean,
+            "apply_vs_copy": apply / copy_mean,
+            "encode_cpu_s_per_gb": statistics.median(encode_cpu) / gb,
+            "apply_cpu_s_per_gb": statistics.median(apply_cpu) / gb,
+            "encode_s": [round(x, 3) for x in encode_s],
+            "apply_s": [round(x, 3) for x in apply_s],
+            "copy_s": [round(x, 3) for x in copy_s],
+            "cores": len(os.sched_getaffinity(0)),
+            "load_average": os.getloadavg()[0],
+        }
+    return results
+
+
+def _time_once(
+    encode_delta: Any, apply_delta: Any, base: Path, target: Path, work: Path, runs: dict[str, list[float]]
+) -> Any:
+    """One encode, apply (checked byte-identical) and copy of ``target``, appended to ``runs``."""
+    work.mkdir(parents=True, exist_ok=True)
+    delta, out, copy = work / "delta", work / "out", work / "copy"
+    cpu = time.process_time()
+    stats = encode_delta(base, target, delta)
+    runs["encode"].append(stats.seconds)
+    runs["encode_cpu"].append(time.process_time() - cpu)
+    began, cpu = time.perf_counter(), time.process_time()
+    apply_delta(base, delta, out, max_output_bytes=stats.full_bytes)
+    runs["apply"].append(time.perf_counter() - began)
+    runs["apply_cpu"].append(time.process_time() - cpu)
+    began = time.perf_counter()
+    shutil.copytree(target, copy)
+    runs["copy"].append(time.perf_counter() - began)
+    for path in sorted(target.iterdir()):
+        if (out / path.name).read_bytes() != path.read_bytes():
+            raise SystemExit(f"0.6b delta of {target.name}: {path.name} was not reconstructed byte-identical")
+    shutil.rmtree(out)
+    shutil.rmtree(copy)
+    delta.unlink()
+    return stats
 
 
 def main() -> None:
@@ -286,6 +314,12 @@ def main() -> None:
     parser.add_argument("--skip-throughput", action="store_true", help="skip the 0.6b encode/apply speed")
     parser.add_argument("--throughput-deltas", type=int, default=2, help="0.6b deltas timed")
     parser.add_argument("--repeats", type=int, default=3, help="times each 0.6b measurement runs (median)")
+    parser.add_argument(
+        "--kernels",
+        choices=("both", "numba", "numpy"),
+        default="both",
+        help="the codec's chunk path timed at 0.6b; both: alternately in one run (numba's figures first)",
+    )
     parser.add_argument(
         "--codec",
         default="prime_node.swarm.delta_codec",
@@ -331,11 +365,29 @@ def main() -> None:
                 "demo": {**found, "lr": 5e-4, "groups_kept_per_step": kept, "train_s_per_step": step_s},
             }
         if not args.skip_throughput:
-            found = _throughput(
-                work / "throughput", args.seed, args.lr, args.throughput_deltas, args.repeats, args.codec
+            paths = ("numba", "numpy") if args.kernels == "both" else (args.kernels,)
+            timed = _throughput(
+                work / "throughput",
+                args.seed,
+                args.lr,
+                args.throughput_deltas,
+                args.repeats,
+                args.codec,
+                paths,
             )
             shutil.rmtree(work / "throughput")
+            found = timed[paths[0]]
+            if len(paths) == 2:
+                other = timed[paths[1]]
+                if other["delta_bytes"] != found["delta_bytes"]:
+                    raise SystemExit("the two chunk paths coded deltas of different sizes")
+                result |= {
+                    "throughput_06b_numpy": other,
+                    "kernels_speedup_encode": other["encode_s_per_gb"] / found["encode_s_per_gb"],
+                    "kernels_speedup_apply": other["apply_s_per_gb"] / found["apply_s_per_gb"],
+                }
             result |= {
+                "kernels": found["kernels"],
                 "encode_gb_per_s_06b": found["encode_gb_per_s"],
                 "apply_gb_per_s_06b": found["apply_gb_per_s"],
                 "encode_vs_copy_06b": found["encode_vs_copy"],

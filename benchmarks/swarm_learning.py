@@ -26,7 +26,16 @@ Prints ONE JSON line:
 - ``verdict_round_trip_s``: a batch's way from its inferer to the trainer's verdict in hand, seconds per
   batch: the validator's stages (delivery, queue, policy wait, validate, verdict publish) plus the
   trainer's verdict delivery, means over seeds (what the trainer would wait per batch without overlap);
-- ``swarm_wall_s``: the demo's whole wall time (start-up included).
+- ``swarm_wall_s``: the demo's whole wall time (start-up included);
+- ``stale_kinds_by_seed``: where the stale share comes from: ``stale`` (refused on arrival at the
+  trainer), ``stale_in_queue`` (accepted, then too old before a step took it) and the validator's
+  ``below_floor`` (dropped on arrival there, not judged; not in ``stale_share``); ``ages_by_seed``: the
+  trainer's batches by age in steps (trainer step - policy step) on arrival, when trained, and on arrival
+  for those later dropped ``stale_in_queue``; ``demand_by_seed``: the trainer's last demand and its depth;
+- ``train_slowdown``: the swarm trainer's seconds in ``train`` per step / the local run's seconds per
+  step, median over seeds, and ``trainer_time_s_by_seed`` (train, waiting, write, share, eval): with
+  ``busy_share`` they decompose the ratio (ratio = busy_share / train_slowdown, start-up aside): time the
+  trainer waits for batches, and a training step slowed by the processes it shares the cores with.
 
 ``--confined`` pins the swarm's processes to two cores: the trainer to the last one, every other demo
 process (validator, inferers, the adversary, and this script, which polls their status) to the first
@@ -128,6 +137,11 @@ def swarm_run(
         if confined:
             os.sched_setaffinity(0, set(cpus))
     snapshots = json.loads((workdir / "status.json").read_text())
+    return swarm_result(summary, snapshots, wall_s=time.perf_counter() - began)
+
+
+def swarm_result(summary: dict[str, Any], snapshots: dict[str, Any], *, wall_s: float) -> dict[str, Any]:
+    """One swarm run's figures from the demo's summary and every node's last status."""
     trainer = snapshots["trainer"]["sections"]["training"]
     held = summary["held_out"]
     refused = summary["batches_rejected"]
@@ -141,7 +155,7 @@ def swarm_run(
         "steps_per_s": trainer["steps_per_s"],
         "held_out": held,
         "gain": round(held[-1][1] - held[0][1], 4),
-        "wall_s": round(time.perf_counter() - began, 1),
+        "wall_s": round(wall_s, 1),
         "stale": refused.get("stale", 0) + refused.get("stale_in_queue", 0),
         "stale_in_queue": refused.get("stale_in_queue", 0),
         "produced": produced,
@@ -151,6 +165,13 @@ def swarm_run(
         "round_trip_s": trips,
         "verdict_round_trip_s": round(sum(trips.get(stage, 0.0) for stage in VERDICT_TRIP), 4),
         "demand": trainer.get("demand"),
+        "ages": trainer.get("ages"),
+        "below_floor": sum(
+            int(node.get("validation", {}).get("rejected", {}).get("below_floor", 0))
+            for node in summary["nodes"].values()
+        ),
+        "train_s_per_step": (trainer.get("stages", {}).get("train") or {}).get("mean_s"),
+        "time_s": trainer.get("time_s"),
     }
 
 
@@ -259,6 +280,22 @@ def main() -> None:
         "verdict_round_trip_s": round(statistics.fmean(r["verdict_round_trip_s"] for r in swarm), 4),
         "confined": args.confined,
         "demand_by_seed": [r["demand"] for r in swarm],
+        "stale_kinds_by_seed": [
+            {
+                "stale": r["stale"] - r["stale_in_queue"],
+                "stale_in_queue": r["stale_in_queue"],
+                "below_floor": r["below_floor"],
+            }
+            for r in swarm
+        ],
+        "ages_by_seed": [r["ages"] for r in swarm],
+        "train_slowdown": _median(
+            [
+                s["train_s_per_step"] * lo["steps_per_s"] if s["train_s_per_step"] else None
+                for s, lo in zip(swarm, local, strict=True)
+            ]
+        ),
+        "trainer_time_s_by_seed": [r["time_s"] for r in swarm],
         "swarm_wall_s": [r["wall_s"] for r in swarm],
         "local_wall_s": [r["wall_s"] for r in local],
         "adversary": args.adversary,

@@ -5,7 +5,9 @@ went stale. The trainer now gossips a ``Demand`` (topic ``demand``) whenever its
 limited) and every few seconds (a late joiner learns it): the step it trains, the ``floor`` (the lowest
 policy step a batch arriving now can still be trained on: ``step - async_level``, raised by the batches
 already queued in front of it), how many more batches it wants of each policy step from the floor up, and
-its recent time per step, from which an inferer projects the floor at the time its batch would arrive.
+its recent time per step, from which an inferer projects the floor at the time its batch would arrive,
+and ``heard``: per worker, the newest batch counter of the batches the trainer has heard announced, so an
+inferer counts as on its way only its own batches the demand cannot count yet (those above its mark).
 
 Authority: only the run's trainer may speak for it (the run announcement names it, and a joiner pins it).
 Anyone can sign a well-formed demand, so ``DemandBook`` believes only one signed by that trainer, for
@@ -31,9 +33,20 @@ MAX_WANTED = 64
 """Policy steps one demand lists (a run's ``async_level`` + 1 of them; 64 is far beyond any we run)."""
 MAX_WANT = 1024
 """Batches wanted of one policy step, at most."""
+MAX_HEARD = 16
+"""Workers one demand names in ``heard`` (the most recently heard first)."""
 MAX_SKEW_MS = 30_000
 MAX_STEP_MS = (1 << 31) - 1
 _U63 = (1 << 63) - 1
+
+
+@message("run.demand.heard", max_bytes=64)
+@dataclass(frozen=True)
+class Heard(Message):
+    """The newest batch counter of ``worker``'s the trainer had heard announced when it made the demand."""
+
+    worker: Address
+    counter: Annotated[int, IntRange(0, _U63)]
 
 
 @message("run.demand", max_bytes=1024)
@@ -54,12 +67,21 @@ class Demand(Message):
     """The trainer's recent milliseconds per step (0: not measured yet)."""
     fresh: Annotated[int, IntRange(0, MAX_WANT)]
     """Batches wanted of each policy step above ``step`` (published after this demand)."""
+    heard: Annotated[tuple[Heard, ...], MaxLen(MAX_HEARD)] = ()
+    """Per worker, the newest batch counter the trainer had heard (at most one entry per worker): its
+    batches up to it are counted in ``wanted`` already (as had), whatever their verdicts."""
 
     def __post_init__(self) -> None:
         if self.floor > self.step:
             raise InvariantError("a demand's floor is above its step", reason="bad_demand")
         if len(self.wanted) > self.step - self.floor + 1:
             raise InvariantError("a demand lists wants above its step", reason="bad_demand")
+        if len({h.worker for h in self.heard}) != len(self.heard):
+            raise InvariantError("a demand names a worker twice in heard", reason="bad_demand")
+
+    def heard_of(self, worker: Address) -> int | None:
+        """The newest batch counter of ``worker``'s this demand counts (None: none named)."""
+        return next((h.counter for h in self.heard if h.worker == worker), None)
 
     def wants(self, policy_step: int) -> int:
         """More batches wanted of ``policy_step`` as of this demand (0 below the floor or unlisted,
@@ -178,10 +200,10 @@ class DemandBook:
         in_flight_total: int | None = None,
     ) -> Start:
         """Start a batch of ``policy_step`` that would reach the trainer in ``eta_s`` seconds, given
-        ``in_flight`` batches of that step already on their way (published, or accepted by a validator,
-        after this demand was issued) and ``in_flight_total`` of any step (None: not counted)? The wants
-        of every step the batch could still be trained at fill one queue: a batch of another step on its
-        way takes a place in it too."""
+        ``in_flight`` batches of that step already on their way that this demand cannot count (the
+        inferer's own above its ``heard`` mark) and ``in_flight_total`` of any step (None: not counted)?
+        The wants of every step the batch could still be trained at fill one queue: a batch of another
+        step on its way takes a place in it too."""
         demand = self.live(now)
         if demand is None:
             return Start(True, "no_demand")

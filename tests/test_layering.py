@@ -230,6 +230,7 @@ HEAVY_LIBRARIES = frozenset(
         "tokenizers",
         "safetensors",
         "numpy",
+        "numba",
         "pyarrow",
         "libp2p",
         "multiaddr",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -117,25 +116,13 @@ def run_trainer(
         run_torchrun("prime_node.ml.dist_entry", [*args, "--gpu", str(gpus)], nproc, rendezvous=rendezvous)
         return
     from prime_node.ml.distributed import init_from_env
-    from prime_node.ml.local_run import run_local
+    from prime_node.ml.local_run import eval_line, run_local, step_line
 
     run_local(  # each step's and each evaluation's line as it happens (issue 36: evaluations came last)
         run,
         dist=init_from_env(gpus),
-        on_step=lambda m: typer.echo(
-            json.dumps(
-                {
-                    "step": m.step,
-                    "reward": round(m.reward_mean, 4),
-                    "groups_kept": m.groups_kept,
-                    "loss": round(m.loss, 5),
-                    "grad_norm": round(m.grad_norm, 4),
-                }
-            )
-        ),
-        on_eval=lambda point: typer.echo(
-            json.dumps({"eval_step": point.step, "heldout_greedy_accuracy": point.accuracy})
-        ),
+        on_step=lambda m: typer.echo(step_line(m)),
+        on_eval=lambda point: typer.echo(eval_line(point)),
     )
 
 

@@ -1,11 +1,11 @@
 """The per-process entry point torchrun starts for ``run-trainer --nproc N --local`` (on one machine or,
 with ``--nnodes``, on several): rank 0 runs the --local pipeline and drives the training session; ranks
-> 0 only follow it (``LocalRun.run``)."""
+> 0 only follow it (``LocalRun.run``). Rank 0 prints each step's and each evaluation's line as it happens,
+as the one-process ``--local`` does (issue 36: they all came at the end)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     from prime_node.config import load_run_config
     from prime_node.hardware import parse_gpu_selection
     from prime_node.ml.distributed import check_same_run, init_from_env, shutdown, spans_machines
-    from prime_node.ml.local_run import run_local
+    from prime_node.ml.local_run import print_eval, print_step, run_local
 
     overrides = {
         key: value
@@ -44,7 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if spans_machines(dist):  # every node's ranks: rank 0's run, and its output directory
                 check_same_run(config, dist)
-            result = run_local(config, dist=dist)
+            main_rank = dist.is_main  # the one that prints
+            run_local(
+                config,
+                dist=dist,
+                on_step=print_step if main_rank else None,
+                on_eval=print_eval if main_rank else None,
+            )
         except BaseException:
             shutdown(together=False)
             raise
@@ -52,9 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     except NodeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if dist.is_main:
-        for m in result.steps:
-            print(json.dumps({"step": m.step, "reward": round(m.reward_mean, 4), "loss": round(m.loss, 5)}))
     return 0
 
 

@@ -21,6 +21,7 @@ admits and trains through the session (which hands each step to the other ranks)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -73,6 +74,33 @@ class LocalRunResult:
             return 0.0
         span = self.step_done_s[-1] - self.step_done_s[0]
         return (len(self.step_done_s) - 1) / span if span > 0 else 0.0
+
+
+def step_line(metrics: StepMetrics) -> str:
+    """A step's JSON line as ``run-trainer --local`` prints it, with one process or as rank 0 of several."""
+    return json.dumps(
+        {
+            "step": metrics.step,
+            "reward": round(metrics.reward_mean, 4),
+            "groups_kept": metrics.groups_kept,
+            "loss": round(metrics.loss, 5),
+            "grad_norm": round(metrics.grad_norm, 4),
+        }
+    )
+
+
+def eval_line(point: EvalPoint) -> str:
+    """A held-out evaluation's JSON line, printed like ``step_line``."""
+    return json.dumps({"eval_step": point.step, "heldout_greedy_accuracy": point.accuracy})
+
+
+def print_step(metrics: StepMetrics) -> None:
+    """``step_line`` on stdout at once (a rank's stdout is a pipe: unflushed, its lines came at the end)."""
+    print(step_line(metrics), flush=True)
+
+
+def print_eval(point: EvalPoint) -> None:
+    print(eval_line(point), flush=True)
 
 
 def _configure_threads(config: RunConfig, world_size: int) -> None:

@@ -5,13 +5,11 @@ durability, checkpoints and evaluation live in the loop around them. Both the --
 (``local_run.py``) and the networked trainer (``roles/trainer_service.py``) drive a
 ``TrainingSession``, so the two agree by construction on every rule below instead of by review:
 
-- **Open.** Resume from the newest sharded training state in ``OUT/train_state`` (FSDP2 fp32 weights
-  and AdamW moments, ``sharded_checkpoint.py``; saved every ``checkpoint_every`` steps) and replay the
-  rollout log's batches of the steps after it, up to the newest policy checkpoint or beyond
-  (``replay_until``: --local through ``logged_batches``, the networked trainer through ``replay``), so
-  no trained batch is lost; or start from the base model, step 0's files going the way of every
-  step's. With torch.distributed every rank looks before rank 0 writes, and only rank 0 writes the
-  rollout log, Hugging Face checkpoints and metrics (every rank writes its own shards).
+- **Open.** Resume from the newest sharded training state and replay the rollout log's batches of the
+  steps after it (``resume.py``: --local through ``logged_batches``, the networked trainer through
+  ``replay``), so no trained batch is lost; or start from the base model, step 0's files going the way
+  of every step's. With torch.distributed every rank looks before rank 0 writes, and only rank 0
+  writes the rollout log, Hugging Face checkpoints and metrics (every rank writes its own shards).
 - **Step.** Admitted batches of one policy step are merged into one optimizer batch; their frames are
   appended to ``OUT/rollouts.log`` and fsynced *before* the step trains on them; after the step every
   rank writes its own rows of the new policy's one weights file, in the published dtype
@@ -44,7 +42,6 @@ import ctypes
 import ctypes.util
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -57,8 +54,6 @@ import torch
 from prime_node.config import RunConfig
 from prime_node.errors import NodeError
 from prime_node.ml.checkpoint import (
-    Checkpoint,
-    list_checkpoints,
     prune_step_dirs,
     read_weights,
     step_dir,
@@ -77,20 +72,14 @@ from prime_node.ml.fsdp import (
     write_safetensors_shards,
 )
 from prime_node.ml.prepared import Prepared, decode_prepared, encode_prepared, prepare
+from prime_node.ml.resume import Resume, checkpoint_kept
 from prime_node.ml.rollout_batch import with_tied_head
 from prime_node.ml.rollout_log import RolloutLog
-from prime_node.ml.sharded_checkpoint import (
-    AsyncShardedSaver,
-    ShardedCheckpoint,
-    list_sharded,
-    state_save_due,
-)
+from prime_node.ml.sharded_checkpoint import AsyncShardedSaver, ShardedCheckpoint, state_save_due
 from prime_node.ml.sharded_load import load_sharded
 from prime_node.ml.tokenizer import load_tokenizer
 from prime_node.ml.trainer import GRPOTrainer, StepMetrics
 from prime_node.tasks.factory import build_task
-from protocol.codec import decode
-from protocol.errors import RemoteProtocolError
 from protocol.rollouts import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -114,41 +103,6 @@ def merge_prepared(parts: Sequence[Prepared]) -> Prepared:
         merged.groups_dropped += part.groups_dropped
         merged.reward_mean += part.reward_mean * (part.groups_kept + part.groups_dropped) / samples
     return merged
-
-
-def _resume_point(
-    checkpoints: Sequence[Checkpoint], sharded: Sequence[ShardedCheckpoint], logged: Sequence[int] | None
-) -> tuple[int, ShardedCheckpoint | None, int]:
-    """(start step, its training state or None for the base model, the newest step the log can bring
-    the run back to). Training state is saved every ``checkpoint_every`` steps and policies every step,
-    so the newest policy may be several steps past the newest state: the rollout log's batches for the
-    steps in between are replayed. A policy the log cannot reach again (``logged``: the steps with a
-    logged batch; None on ranks other than 0, which only follow) is refused: its batches are gone (a
-    directory from before sharded checkpoints)."""
-    state = sharded[-1] if sharded else None
-    start = state.step if state is not None else 0
-    if logged is None:
-        return start, state, start
-    reach = start
-    present = set(logged)
-    while reach in present:
-        reach += 1
-    newest = checkpoints[-1].step if checkpoints else 0
-    if state is None and newest > reach:
-        raise NodeError(
-            f"checkpoints up to step {newest} but no training state, and the rollout log cannot replay "
-            f"them (written before sharded checkpoints existed?): start a new output_dir",
-            reason="bad_checkpoint",
-        )
-    if newest > reach:
-        log.warning(
-            "the rollout log replays steps %d..%d only: policies %d..%d are trained again on new batches",
-            start,
-            reach,
-            reach + 1,
-            newest,
-        )
-    return start, state, reach
 
 
 _MMAP_THRESHOLD = 128 << 10
@@ -192,20 +146,20 @@ class TrainingSession:
         self.device = device if device is not None else self.dist.device
         self.checkpoint_root = config.output_dir / "checkpoints"
         self.state_root = config.output_dir / "train_state"
-        self.rollout_log: RolloutLog | None = None
-        if self.dist.is_main:
-            self.rollout_log = RolloutLog(config.output_dir / "rollouts.log")
-        found = list_checkpoints(self.checkpoint_root)
-        logged = sorted(_frames_by_step(self.rollout_log)) if self.rollout_log is not None else None
-        self.start_step, resume, self.replay_until = _resume_point(
-            found, list_sharded(self.state_root), logged
+        self._resume = Resume(
+            config.output_dir,
+            checkpoint_root=self.checkpoint_root,
+            state_root=self.state_root,
+            keeps_log=self.dist.is_main,
+            published_dtype=config.published_dtype,
         )
+        self.rollout_log: RolloutLog | None = self._resume.rollout_log
+        self.start_step, self.replay_until = self._resume.start_step, self._resume.replay_until
         """``replay_until``: the newest policy the logged batches after ``start_step`` lead to (rank 0)."""
         if self.dist.world_size > 1:
             self.dist.barrier()  # every rank has looked before rank 0 writes anything
         self.source = base
         """Where the model was built from (the resumed training state is loaded over it)."""
-        self._oldest_kept = min(found[0].step if found else 0, self.start_step)
         self.staging = config.output_dir / "policy_staging"
         if self.dist.is_main:  # what a killed run staged is in its checkpoints or lost with its step
             shutil.rmtree(self.staging, ignore_errors=True)
@@ -240,7 +194,7 @@ class TrainingSession:
             self._writer = CheckpointWriter(
                 self.checkpoint_root, base, config.checkpoints_to_keep, self._extra
             )
-        self._open_state(resume)
+        self._open_state(self._resume.state)
         self.eval_ids = list(self.task.eval_ids())[: config.eval_tasks]
         self._eval_engine: TorchEngine | None = None
         self._eval_tokenizer: Any = None
@@ -255,12 +209,13 @@ class TrainingSession:
             self.trainer.record_policy()  # the history's copy of this step was taken before the load
             log.info("resuming from %s (replaying logged steps up to %d)", resume.path, self.replay_until)
             self._stage_policy()  # its checkpoint may be pruned, or from a run that published in fp32
-            if self._writer is not None and not self._kept(self.start_step):  # killed before it finished
+            # a run killed before this step's checkpoint was finished: write it now
+            if self._writer is not None and not checkpoint_kept(self.checkpoint_root, self.start_step):
                 self._writer.submit(self.start_step, self._staged(self.start_step))
             return
         self._stage_policy()
         self._save_state(0)
-        if self._writer is not None and not self._kept(0):
+        if self._writer is not None and not checkpoint_kept(self.checkpoint_root, 0):
             self._writer.submit(0, self._staged(0))
 
     @property
@@ -271,35 +226,13 @@ class TrainingSession:
     def logged_batches(self) -> dict[int, RolloutBatch]:
         """Logged batches for steps >= ``start_step`` (the --local run replays them), after dropping the
         records no resume can need any more. Empty on ranks other than 0."""
-        if self.rollout_log is None:
-            return {}
-        self.rollout_log.compact(self._oldest_kept)  # older batches live on only in the weights
-        return self.rollout_log.batches_from(self.start_step)
+        return self._resume.logged_batches()
 
     def replay(self, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
-        """Rank 0: train again every logged step from ``start_step`` up to ``replay_until``, on all of
-        each step's logged batches (admitted again as at that step), so no batch trained before a kill
-        is lost (the networked trainer; --local interleaves its replay with generation). A step whose
-        batches are all refused now ends the replay."""
-        if self.rollout_log is None:
-            return []
-        self.rollout_log.compact(self._oldest_kept)
-        frames = _frames_by_step(self.rollout_log)
-        done: list[StepMetrics] = []
-        while self.step < self.replay_until:
-            prepared = []
-            for frame in frames.get(self.step, []):
-                try:
-                    prepared.append(self.admit(decode(frame, RolloutBatch)))
-                except (NodeError, RemoteProtocolError) as exc:
-                    log.warning("replaying step %d: a logged batch is refused now: %s", self.step, exc)
-            if not prepared:
-                break
-            metrics = self.train(prepared)
-            done.append(metrics)
-            if on_step is not None:
-                on_step(metrics)
-        return done
+        """Rank 0: train again every logged step from ``start_step`` up to ``replay_until`` on all of each
+        step's logged batches (``Resume.replay``), so no batch trained before a kill is lost (the
+        networked trainer; --local interleaves its replay with generation)."""
+        return self._resume.replay(self, on_step)
 
     def admit(self, batch: RolloutBatch, *, current_step: int | None = None) -> Prepared:
         """``prepare`` with this run's task, tokenizer and config (RejectedBatchError if refused), for a
@@ -332,7 +265,7 @@ class TrainingSession:
             seconds_since_save=self._since_save_s + self._last_step_s,
             last_save_s=self._saver.last_seconds,
         )
-        stage = not (after <= self.replay_until and self._hold_kept(after))
+        stage = not self._resume.holds_kept(after, self._staged(after))
         if self.dist.world_size > 1:
             self._in_step = True  # from here on, the other ranks are inside this step's collectives
             self.dist.broadcast_bytes(bytes([save | stage << 1]) + encode_prepared(merged))
@@ -390,25 +323,6 @@ class TrainingSession:
         began = time.perf_counter()
         self._saver.wait()
         self.times["state_s"] += time.perf_counter() - began
-
-    def _kept(self, step: int) -> bool:
-        return any(c.step == step for c in list_checkpoints(self.checkpoint_root))
-
-    def _hold_kept(self, step: int) -> bool:
-        """Rank 0, for a replayed step: link its existing checkpoint's weights (in the published dtype)
-        into staging, so the step keeps the bytes peers may hold and the file stays whatever the writer
-        prunes; False if there is none (a kill may leave a half-pruned directory)."""
-        source = step_dir(self.checkpoint_root, step) / "model.safetensors"
-        if not self._kept(step) or weights_dtype(source) != self.config.published_dtype:
-            return False
-        target = self._staged(step)
-        try:
-            self.staging.mkdir(parents=True, exist_ok=True)
-            target.unlink(missing_ok=True)
-            os.link(source, target)
-        except OSError:
-            return False
-        return True
 
     def _staged(self, step: int) -> Path:
         return self.staging / f"step_{step:08d}.{self.config.published_dtype}.safetensors"
@@ -522,8 +436,3 @@ class TrainingSession:
             finally:
                 if writer is not None:
                     writer.close()
-
-
-def _frames_by_step(rollout_log: RolloutLog | None) -> dict[int, list[bytes]]:
-    """The logged frames of each step (none without a log: ranks other than 0)."""
-    return rollout_log.frames_by_step() if rollout_log is not None else {}

@@ -3,7 +3,8 @@
 ``InfererModel`` loads the newest policy into an engine (``ml.engines.load_engine``; with the torch
 threads the node gives its role: ``--threads``) on the device the role runner chose
 (``hardware.select_device``), switches it to newer weights, and has its ``RolloutProducer`` turn the
-policy into a batch's signed frames; every method runs in a worker thread (inferer_service.py decides when).
+policy into a batch's signed frames; every method runs in a worker thread (inferer_service.py decides when),
+and ends at its next check of ``stop`` (before each forward pass) once the service has stopped.
 
 On a GPU it plans memory before loading (``ml/vram_plan.py``): a run batch that does not fit is generated
 in smaller chunks (the samples stay the same: each is seeded on its own), a model that does not fit at
@@ -33,6 +34,7 @@ from prime_node.ml.tokenizer import load_tokenizer
 from prime_node.ml.vram_plan import GenerationSettings, model_shape, plan_generation
 from prime_node.node.stage_times import StageTimes
 from prime_node.tasks.factory import build_task
+from prime_node.verification.model_threads import ModelStop
 from prime_node.verification.proofs import build_proofs
 from prime_node.verification.proving import seal_batch
 from protocol.codec import encode
@@ -151,10 +153,13 @@ class InfererModel:
         self.engine: Any = None
         self.tokenizer: Any = None
         self.task: Any = None
+        self.stop = ModelStop()
+        """Set when the service stops: abandoned work ends at its next token (verification/model_threads)."""
 
     def load(self, step: int, path: Path) -> None:
         import torch
 
+        self.stop.check()
         torch.set_num_threads(self.threads)  # torch keeps the count per OS thread
         self.tokenizer = load_tokenizer(path)
         self.task = build_task(self.config.task)
@@ -173,6 +178,7 @@ class InfererModel:
             policy_step=step,
         )
         self.engine = ChunkedEngine(engine, max_batch=max_batch)
+        self.stop.guard(self.engine)
 
     def plan_vram(self, path: Path) -> VramPlan:
         """The generation plan for the model in ``path`` on this inferer's device (``ml/vram_plan.py``)."""
@@ -188,12 +194,14 @@ class InfererModel:
     def switch(self, step: int, path: Path) -> None:
         from prime_node.ml.checkpoint import read_weights
 
+        self.stop.check()
         weights = read_weights(path)
         self.engine.load_weights(with_tied_head(self.engine.model, weights), step)
 
     def frames(self, policy_step: int, counter: int, now_ms: int) -> list[bytes]:
         import torch
 
+        self.stop.check()
         torch.set_num_threads(self.threads)  # torch keeps the count per OS thread
         return self.producer.frames(
             engine=self.engine,

@@ -12,8 +12,11 @@ To avoid wasted work it produces what the trainer will take (issue 38): given th
 (``roles/demand.py``, a ``DemandView`` the node shares), it starts a batch only if its policy will still
 be at or above the trainer's floor when the batch arrives (the floor projected over the batch's measured
 generation time and verdict round trip) and the trainer still wants batches of that policy step beyond
-those already on their way (its own batches awaiting a verdict, and every accepted verdict it heard
-since the demand was issued); otherwise it waits for a newer policy or a newer demand. With no demand
+those on their way that the demand cannot count: the trainer counts every batch it has heard announced
+(and names, per worker, the newest batch counter it heard), so the inferer counts only its own batches
+above its mark, until a demand's mark covers them, their verdict rejects them or they time out, and a
+newer demand that predates them does not make it forget them; otherwise it waits for a newer policy or
+a newer demand. With no demand
 heard it produces at most ``batches_per_policy`` batches per policy step and then waits (briefly) for a
 newer one: batches of an old policy go stale at the trainer. Verdicts about its own
 batches are counted for the status section "rollouts" (and any rejection charges the worker, via
@@ -24,7 +27,8 @@ A batch frame small enough for gossip rides it whole; a bigger one (up to the ru
 the trainer fetch it over the data plane (prime_node/verification/batch_publish.py).
 
 The model work (loading on the chosen device with a VRAM plan, switching weights, making a batch's frames
-through a ``RolloutProducer``) is ``InfererModel``'s (inferer_model.py), run in worker threads.
+through a ``RolloutProducer``) is ``InfererModel``'s (inferer_model.py), run in worker threads that a
+stopping service abandons, and stops at the next token (verification/model_threads.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from prime_node.node.stage_times import StageTimes
 from prime_node.roles.inferer_model import HonestProducer, InfererModel, RolloutProducer
 from prime_node.verification.batch_publish import VERDICTS_TOPIC, publish_frame
 from prime_node.verification.batch_transfer import BatchTransfer
+from prime_node.verification.model_threads import run_model_work
 from prime_node.verification.reputation import ReputationService
 from prime_node.verification.transfer_settings import TransferSettings
 from protocol.errors import ProtocolError
@@ -135,10 +140,11 @@ class InfererService:
         self.generate_mean_s = 0.0
         self.round_trip_mean_s = 0.0
         self._sent_policy: dict[bytes, int] = {}
-        self._accepted_since: Counter[int] = Counter()
-        """Accepted batches per policy step whose verdict was heard since the demand ``_since_sequence``."""
-        self._accepted_ids: set[bytes] = set()
-        self._since_sequence: int | None = None
+        self._sent_counter: dict[bytes, int] = {}
+        """Batch counter of our batches awaiting a verdict (their place against the demand's mark)."""
+        self._counter = -1
+        self._accepted_own: dict[bytes, tuple[int, int, float]] = {}
+        """Our accepted batches (policy step, counter, sent at) no demand has counted yet."""
 
     def status(self) -> dict[str, Any]:
         return {
@@ -184,7 +190,7 @@ class InfererService:
     async def _produce(self, context: NodeContext) -> None:
         """Switch to the newest policy, generate, publish; forever (module doc)."""
         step, path = await self.swarm.wait_newer(None)
-        await trio.to_thread.run_sync(self._load, step, path)
+        await run_model_work(self.model.stop, self._load, step, path)
         counter = context.clock.wall_ms()
         made_for_policy = 0
         while True:
@@ -192,7 +198,7 @@ class InfererService:
             newest = self.swarm.newest()
             if newest is not None and newest[0] > self.policy_step_or(-1):
                 try:
-                    await trio.to_thread.run_sync(self._switch, *newest)
+                    await run_model_work(self.model.stop, self._switch, *newest)
                 except NodeError as exc:  # e.g. retention removed it meanwhile: the next one will do
                     self.errors[exc.reason] += 1
                     log.warning("could not switch to policy %d: %s", newest[0], exc)
@@ -216,7 +222,9 @@ class InfererService:
             await self._backpressure()
             started = trio.current_time()
             try:
-                frames = await trio.to_thread.run_sync(self._make_frames, counter, context.clock.wall_ms())
+                frames = await run_model_work(
+                    self.model.stop, self._make_frames, counter, context.clock.wall_ms()
+                )
             except (NodeError, ProtocolError, ValueError, RuntimeError) as exc:
                 self.errors[type(exc).__name__] += 1
                 log.warning("batch %d not produced: %s", counter, exc)
@@ -226,6 +234,7 @@ class InfererService:
             took = trio.current_time() - started
             self.generate_s += took
             self.generate_mean_s = _mean(self.generate_mean_s, took)
+            self._counter = counter  # the batch counter of the frames published next
             counter += 1
             made_for_policy += 1
             self.produced += 1
@@ -267,29 +276,29 @@ class InfererService:
         return self.generate_mean_s + self.round_trip_mean_s
 
     def in_flight_of(self, policy_step: int | None) -> int:
-        """Batches of ``policy_step`` (None: of any step) on their way that the current demand cannot know
-        of: ours awaiting a verdict, and every accepted one (ours or others') whose verdict was heard since
-        it was issued."""
-        self._since_demand()
-        now = trio.current_time()
-        ours = sum(
-            1
-            for batch_id, sent in self._in_flight.items()
-            if (policy_step is None or self._sent_policy.get(batch_id) == policy_step)
-            and now - sent <= self.verdict_timeout_s
-        )
-        if policy_step is None:
-            return ours + sum(self._accepted_since.values())
-        return ours + self._accepted_since[policy_step]
-
-    def _since_demand(self) -> None:
-        """Forget the verdicts counted against an older demand (a newer one counts them itself)."""
+        """Our batches of ``policy_step`` (None: of any step) on their way that the current demand cannot
+        count: awaiting a verdict or accepted, above the demand's mark for us (the newest batch counter
+        the trainer had heard of ours; a batch without a counter, or with no mark, counts), at or above
+        its floor (below, the trainer will never take it), and not past ``verdict_timeout_s``."""
         demand = self.demand.current() if self.demand is not None else None
-        sequence = None if demand is None else demand.sequence
-        if sequence != self._since_sequence:
-            self._since_sequence = sequence
-            self._accepted_since.clear()
-            self._accepted_ids.clear()
+        mark = demand.heard_of(self.key.address) if demand is not None else None
+        floor = demand.floor if demand is not None else 0
+        now = trio.current_time()
+        for batch_id, (_, counter, sent) in list(self._accepted_own.items()):
+            if now - sent > self.verdict_timeout_s or (mark is not None and counter <= mark):
+                del self._accepted_own[batch_id]  # counted by the trainer now (or lost)
+        mine = [
+            (self._sent_policy.get(batch_id, -1), self._sent_counter.get(batch_id), sent)
+            for batch_id, sent in self._in_flight.items()
+        ] + list(self._accepted_own.values())
+        return sum(
+            1
+            for policy, counter, sent in mine
+            if (policy_step is None or policy == policy_step)
+            and now - sent <= self.verdict_timeout_s
+            and (mark is None or counter is None or counter > mark)
+            and (policy_step is not None or policy >= floor)
+        )
 
     async def _backpressure(self) -> None:
         """Wait while ``max_in_flight`` of our batches await a verdict: more would only queue up at the
@@ -337,10 +346,10 @@ class InfererService:
             self.mine[batch_id] = self.policy_step_or(0)
             self._in_flight[batch_id] = trio.current_time()
             self._sent_policy[batch_id] = self.policy_step_or(0)
-            while len(self.mine) > MAX_TRACKED_BATCHES:
-                self.mine.pop(next(iter(self.mine)))
-            while len(self._sent_policy) > MAX_TRACKED_BATCHES:
-                self._sent_policy.pop(next(iter(self._sent_policy)))
+            self._sent_counter[batch_id] = self._counter
+            for tracked in (self.mine, self._sent_policy, self._sent_counter):
+                while len(tracked) > MAX_TRACKED_BATCHES:
+                    tracked.pop(next(iter(tracked)))
 
     async def on_verdict(self, message: Delivered) -> None:
         """A gossiped verdict: charge rejected workers, count the ones about our own batches."""
@@ -357,12 +366,13 @@ class InfererService:
             self.stages.add("verdict_round_trip", took)
             self.round_trip_mean_s = _mean(self.round_trip_mean_s, took)
             self._verdict_arrived.set()
-        self._sent_policy.pop(verdict.batch_id, None)
-        if verdict.accepted:
-            self._since_demand()
-            if verdict.batch_id not in self._accepted_ids and len(self._accepted_ids) < MAX_TRACKED_BATCHES:
-                self._accepted_ids.add(verdict.batch_id)  # a quorum's several verdicts count once
-                self._accepted_since[verdict.policy_step] += 1
+        policy = self._sent_policy.pop(verdict.batch_id, None)
+        counter = self._sent_counter.pop(verdict.batch_id, None)
+        if verdict.accepted and sent is not None and policy is not None and counter is not None:
+            if len(self._accepted_own) < MAX_TRACKED_BATCHES:  # on its way until a demand counts it
+                self._accepted_own[verdict.batch_id] = (policy, counter, sent)
+        elif not verdict.accepted:
+            self._accepted_own.pop(verdict.batch_id, None)  # another validator's rejection: not coming
         if verdict.worker != self.key.address or self.mine.pop(verdict.batch_id, None) is None:
             return
         if verdict.accepted:

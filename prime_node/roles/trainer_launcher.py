@@ -44,6 +44,8 @@ from prime_node.roles.rendezvous import (
     torchrun_command,
     torchrun_env,
 )
+from prime_node.warm_start.launcher import WarmStart
+from prime_node.warm_start.rank_stub import STUB_MODULE, stub_arguments
 
 if TYPE_CHECKING:
     from crypto.keys import WalletKey
@@ -197,8 +199,13 @@ def run_torchrun(
     *,
     rendezvous: Rendezvous = SINGLE_NODE,
     on_started: Callable[[int], None] | None = None,
+    cold_ranks: Sequence[int] = (),
 ) -> None:
     """Run ``module`` on ``nproc`` ranks of this node under torchrun and wait for it.
+
+    When a warm-start server is named (``PRIME_NODE_WARM_START_SOCKET``: the suite, the demo), each rank
+    but the global ranks in ``cold_ranks`` is forked ready from it (``warm_start/rank_stub.py``: torchrun
+    starts a stub that stands in for the rank); otherwise torchrun starts ``module`` itself.
 
     NodeError ``trainer_failed`` if torchrun exits non-zero (a rank failed; torchrun has stopped the
     others and printed which). SIGINT/SIGTERM/SIGHUP while it runs are forwarded as SIGTERM (torchrun
@@ -213,11 +220,14 @@ def run_torchrun(
             file=sys.stderr,
             flush=True,
         )
+    env = torchrun_env(interface)
+    if WarmStart.attach(env) is not None:
+        module, args = STUB_MODULE, stub_arguments(module, args, cold_ranks)
     stops = _StopForwarder()
     with stops.installed():
         process = subprocess.Popen(
             torchrun_command(module, args, nproc, rendezvous),
-            env=torchrun_env(interface),
+            env=env,
             start_new_session=True,  # terminal signals reach the launcher only; it decides what ranks get
             preexec_fn=death_signal_setter(signal.SIGTERM),  # noqa: PLW1509 (a dying launcher stops it)
         )
@@ -312,7 +322,10 @@ def launch_networked(
             return
         handoff = KeyHandoff(directory, key)
         try:
-            run_torchrun(ENTRY_MODULE, args, nproc, rendezvous=rendezvous, on_started=handoff.serve)
+            # Rank 0 takes the key, which goes only to a child of this torchrun: it starts cold.
+            run_torchrun(
+                ENTRY_MODULE, args, nproc, rendezvous=rendezvous, on_started=handoff.serve, cold_ranks=(0,)
+            )
         finally:
             handoff.close()
     finally:

@@ -39,7 +39,7 @@ from prime_node.cpu_compute import default_threads
 from prime_node.errors import NodeError
 from prime_node.node.context import RecordPart
 from prime_node.node.stage_times import StageTimes
-from prime_node.roles.demand import DemandPublisher, TrainerWants
+from prime_node.roles.demand import DemandPublisher, TrainerWants, heard_source
 from prime_node.roles.gather import STALE_IN_QUEUE, Candidate, StepGatherer
 from prime_node.roles.trainer_eval import HeldOutEvaluator
 from prime_node.roles.trainer_publisher import PolicyPublisher, Sharer, Timing
@@ -83,6 +83,7 @@ class _Queued:
     frame: bytes
     worker: str
     accepted_at: float
+    arrived_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,10 +170,13 @@ class TrainerService:
         self.session: TrainingSession | None = None
         self.stopped_ranks = False
         """``close`` ended the session cleanly on every rank (the ranks may meet in a last barrier)."""
-        self.wants = TrainerWants(self.config.async_level)
+        heard = heard_source(admission, self._demand_changed)  # batches on their way: an exact count
+        self.wants = TrainerWants(self.config.async_level, heard=heard)
         self.train_after_first_s = 0.0
         self.demand = (
-            DemandPublisher(key=key, run_id=self.config.run_id, current=self.demand_now)
+            DemandPublisher(
+                key=key, run_id=run_config.run_id, current=self.demand_now, heard=self.wants.heard
+            )
             if options.demand
             else None
         )
@@ -224,7 +228,10 @@ class TrainerService:
             "admission_stages": admission.get("stages", {}),
             "groups_unverified": admission.get("groups_unverified", 0),
             "busy_share": self.busy_share(now),
-            "demand": self.demand.status() if self.demand is not None else None,
+            "demand": {**self.demand.status(), "depth": self.wants.depth()}
+            if self.demand is not None
+            else None,
+            "ages": self.wants.ages_status(),
         }
 
     def busy_share(self, now: float) -> float | None:
@@ -305,16 +312,19 @@ class TrainerService:
             except NodeError as exc:
                 self.rejected[exc.reason] += 1
                 log.info("trainer refused an accepted batch from %s: %s", worker, exc)
+                if exc.reason == "stale":  # its round trip counts toward the demand's depth too
+                    self.wants.arrived(self.step - batch.policy_step)
                 continue
             finally:
                 self.wants.admit_ended(batch.policy_step)
                 self._demand_changed()
+            self.wants.arrived(self.step - prepared.policy_step)
             self.batches_accepted += 1
             if not self.gatherer.add(
                 Candidate(
                     prepared.policy_step,
                     prepared.groups_kept,
-                    _Queued(prepared, frame, worker, trio.current_time()),
+                    _Queued(prepared, frame, worker, trio.current_time(), self.step),
                     drawn_groups=prepared.groups_kept + prepared.groups_dropped,
                 )
             ):
@@ -334,23 +344,22 @@ class TrainerService:
         while self.step < config.max_steps:
             await self._fill()
             gathered = self.gatherer.take(self.step)
+            if gathered is not None:
+                self.rejected[STALE_IN_QUEUE] += len(gathered.dropped_stale)
+                self.wants.dropped([(c.item.arrived_step, c.policy_step) for c in gathered.dropped_stale])
             if gathered is None or not gathered.batches:
-                if gathered is not None:
-                    self.rejected[STALE_IN_QUEUE] += len(gathered.dropped_stale)
                 waited = trio.current_time()
                 self._arrived = trio.Event()
                 await self._arrived.wait()
                 self.timing.waiting_s += trio.current_time() - waited
                 continue
-            self.rejected[STALE_IN_QUEUE] += len(gathered.dropped_stale)
             queued = [c.item for c in gathered.batches]
             t0 = trio.current_time()
             for item in queued:
                 self.stages.add("queue", t0 - item.accepted_at)
             if self._first_train_at is None:
                 self._first_train_at = t0
-            for item in queued:
-                self.wants.trained[item.prepared.policy_step] += 1
+            self.wants.train(self.step, [item.prepared.policy_step for item in queued], len(self.gatherer))
             metrics = await trio.to_thread.run_sync(self._train, queued, limiter=self._model_lock)
             t1 = trio.current_time()
             self.train_after_first_s += t1 - t0

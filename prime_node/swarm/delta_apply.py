@@ -17,12 +17,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 from typing import BinaryIO
 
 import numpy as np
 import zstandard
 from blake3 import blake3
 
+from prime_node.swarm import delta_select
 from prime_node.swarm.delta_format import (
     CHUNK_DENSE,
     CHUNK_RAW,
@@ -238,6 +240,35 @@ def _apply_tiered(
     return values
 
 
+def _apply_compiled(
+    kernels: ModuleType, zstd: Decompressors, parts: tuple[_Part, ...], old: np.ndarray, tensor: Tensor
+) -> np.ndarray:
+    """``_apply_tiered`` compiled (``apply_parts``): every payload decompressed to exactly its size
+    first, so each lies inside ``data`` where the kernel reads it; the kernel indexes only by keys it
+    has checked against the members it listed, and what it met is checked here, part by part, as
+    ``_apply_tiered`` checks it."""
+    width = tensor.element_size
+    bounds = np.array([part.bound for part in parts if part.mode is not None], dtype=np.uint64)
+    dense = np.array([part.mode == TIER_DENSE for part in parts])
+    counts = np.array([part.count for part in parts], dtype=np.int64)
+    gap_widths = np.array([part.gap_width for part in parts], dtype=np.int64)
+    sizes = counts * (gap_widths + width)
+    frames = [
+        zstd.decompress(part.compressed, int(size)) for part, size in zip(parts, sizes, strict=True) if size
+    ]
+    data = np.frombuffer(b"".join(frames), dtype=np.uint8)  # every payload exactly its size
+    out = np.empty_like(old)
+    offsets = np.cumsum(sizes) - sizes
+    code = kernels.coding(tensor)
+    members, used = kernels.apply_parts(old, out, bounds, dense, counts, gap_widths, offsets, data, code)
+    for part, met, taken in zip(parts, members, used, strict=True):
+        if part.mode == TIER_DENSE and met != part.count:
+            raise DeltaError(f"a dense tier of {part.count} values for {met} in the base")
+        if part.mode != TIER_DENSE and taken != part.count:
+            raise DeltaError("a sparse chunk's positions are out of range")
+    return out
+
+
 def _apply_chunk(
     zstd: Decompressors, record: _Record, base: Callable[[], bytes] | None, length: int, tensor: Tensor
 ) -> bytes | np.ndarray:
@@ -246,14 +277,21 @@ def _apply_chunk(
     A sparse chunk touches only its changed elements: their file positions are the visiting order at
     the coded positions, so nothing else is permuted.
     """
-    width = tensor.element_size
+    width, kernels = tensor.element_size, delta_select.current()
     if record.kind == CHUNK_RAW:
-        return unplanes(zstd.decompress(record.compressed, length), width)
+        raw = zstd.decompress(record.compressed, length)
+        if kernels is None or width == 1:
+            return unplanes(raw, width)
+        values = np.empty(length // width, dtype=UINT[width])
+        kernels.unplanes(np.frombuffer(raw, dtype=np.uint8), values)
+        return values
     if base is None:
         raise DeltaError("a chunk refers to a base tensor that does not fit")
     if record.kind == CHUNK_UNCHANGED:
         return base()
     old = np.frombuffer(base(), dtype=UINT[width])
+    if record.kind == CHUNK_TIERED and kernels is not None:
+        return _apply_compiled(kernels, zstd, record.parts, old, tensor)
     if record.kind == CHUNK_TIERED:
         return _apply_tiered(zstd, record.parts, old, tensor)
     if record.kind == CHUNK_DENSE:

@@ -23,6 +23,7 @@ from blake3 import blake3
 
 from prime_node.atomic_files import node_error_from_os, temporary_sibling
 from prime_node.errors import NodeError
+from prime_node.swarm import delta_select
 from prime_node.swarm.checkpoint_pieces import list_model_files
 from prime_node.swarm.delta_apply import Reader, apply_file
 from prime_node.swarm.delta_encode import Writer, encode_tensors
@@ -105,6 +106,7 @@ def _encode_files(
         name = relative.encode()
         writer.put(struct.pack("<H", len(name)) + name + struct.pack("<Q", size))
         found = read_layout(target_file) if relative.endswith(".safetensors") else None
+        delta_select.load_for(size)
         if _same_file(base_file, target_file, size):
             writer.put(bytes([FILE_SAME]))
             digest = _file_digest(target_file)
@@ -215,6 +217,7 @@ def _apply(base_dir: Path, delta_file: Path, out_dir: Path, max_output_bytes: in
             written += size
             if written > max_output_bytes:
                 raise DeltaError(f"the delta's files exceed the {max_output_bytes}-byte bound")
+            delta_select.load_for(size)
             apply_file(reader, pool, base_dir, out_dir, path, size, chunk_bytes)
         reader.finish()
 

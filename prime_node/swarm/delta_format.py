@@ -248,9 +248,13 @@ def gap_planes(positions: np.ndarray) -> tuple[int, bytes]:
     """The narrowest gap width holding the unchanged counts before each of ``positions`` (increasing),
     and the gaps' planes."""
     gaps = np.diff(positions, prepend=-1) - 1
-    largest = int(gaps.max()) if len(gaps) else 0
-    width = next(w for w in GAP_WIDTHS if largest < 1 << (8 * w))
+    width = gap_width(int(gaps.max()) if len(gaps) else 0)
     return width, planes(gaps.astype(UINT[width]), width)
+
+
+def gap_width(largest: int) -> int:
+    """The narrowest gap width that holds ``largest``."""
+    return next(w for w in GAP_WIDTHS if largest < 1 << (8 * w))
 
 
 def positions(data: bytes, width: int, count: int, limit: int) -> np.ndarray:

@@ -42,6 +42,14 @@ def tier_mask(exponent: np.ndarray, low: int, high: int, tensor: Tensor) -> np.n
     return found
 
 
+def tier_table(bounds: list[int], tensor: Tensor) -> np.ndarray:
+    """Each exponent's part of a tiered record (the compiled kernels' tier lookup): the tier holding it,
+    or ``len(bounds)`` for the rest."""
+    every = np.arange(1 << tensor.exponent_bits)
+    found: np.ndarray = np.searchsorted(np.asarray(bounds, dtype=np.int64), every, side="right")
+    return found.astype(np.uint8)
+
+
 def ranks_in(mask: np.ndarray, where: np.ndarray) -> np.ndarray:
     """The rank among the set elements of ``mask`` of each element at ``where`` (positions set in it),
     counted on ``mask``'s packed bits: no list of its members (``flatnonzero`` costs 2-4 ms per 2M

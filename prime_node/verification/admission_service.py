@@ -26,6 +26,10 @@ pending fetches. The fetched frame is checked against the id, decoded and settle
 the trainer then re-serves it from its ``BatchTransfer``. A frame that passes screening but does not
 decode is charged to its (proven) author.
 
+It counts the batches it has heard of and not yet settled (``pending_by_policy``, ``heard_marks``;
+inbox/pending.py, bounded per worker by its fetch share): the trainer's demand counts them as had, so
+its count of batches on their way is exact (issue 38).
+
 It also does the reputation work on the trainer node (rejections charge the worker's peer), so the
 trainer needs no separate ``ReputationService``.
 """
@@ -53,6 +57,7 @@ from prime_node.verification.inbox import (
     RolloutInbox,
     StepBound,
 )
+from prime_node.verification.inbox.pending import PendingBatches
 from prime_node.verification.reasons import BELOW_FLOOR
 from prime_node.verification.reputation import ReputationService
 from protocol.codec import decode
@@ -148,6 +153,12 @@ class AdmissionService:
         self._arrived_at: dict[bytes, float] = {}
         self.stages = self.inbox.stages
         self._context: NodeContext | None = None
+        self.pending = PendingBatches(
+            per_worker=self.inbox.settings.per_worker_fetches, max_batches=capacity, max_workers=capacity
+        )
+        """Batches heard of and not yet settled, per worker at most its fetch share (the demand's count)."""
+        self.on_change: Callable[[], None] | None = None
+        """Called when ``pending_by_policy`` or ``heard_marks`` may have changed (the trainer's demand)."""
 
     @property
     def transfer(self) -> BatchTransfer | None:
@@ -168,8 +179,26 @@ class AdmissionService:
             self._wakeup = trio.Event()
             await self._wakeup.wait()
         accepted = self._ready.popleft()
+        self._not_pending(accepted.batch_id)  # the trainer counts it as being admitted from here on
         self.inbox.pump()
         return accepted
+
+    def pending_by_policy(self) -> dict[int, int]:
+        """Batches heard of, not yet taken by ``next_accepted`` nor refused, per policy step (bounded)."""
+        return dict(self.pending.by_policy(trio.current_time()))
+
+    def heard_marks(self, most: int) -> tuple[tuple[Address, int], ...]:
+        """(worker, newest batch counter heard), the ``most`` most recently heard workers first."""
+        return self.pending.marks(most)
+
+    def _heard(self, batch_id: bytes, worker: Address, policy_step: int, counter: int) -> None:
+        self.pending.heard(batch_id, worker, policy_step, counter, trio.current_time())
+        if self.on_change is not None:
+            self.on_change()
+
+    def _not_pending(self, batch_id: bytes) -> None:
+        if self.pending.settled(batch_id) and self.on_change is not None:
+            self.on_change()
 
     def stats(self) -> dict[str, Any]:
         inbox = self.inbox
@@ -184,6 +213,8 @@ class AdmissionService:
             "nothing_verified": self.counts["nothing_verified"],
             "untrusted_verdicts": self.reputation.counts["verdicts_ignored_untrusted_validator"],
             "stages": self.stages.summary(),
+            "heard_pending": len(self.pending),
+            "heard_not_counted": self.pending.not_counted,
             **{key: self.counts[key] for key in INTAKE_COUNTS},
             "refused_reasons": dict(inbox.refused),
             "offers": inbox.offers_kept,
@@ -206,15 +237,18 @@ class AdmissionService:
             return False
         self._frames[batch_id] = batch
         self._arrived_at.setdefault(batch_id, trio.current_time())
+        self._heard(batch_id, batch.worker, batch.policy_step, batch.batch_counter)
         while len(self._frames) > self.capacity:
             forgotten, _ = self._frames.popitem(last=False)
             self._verified.pop(forgotten, None)
             self._arrived_at.pop(forgotten, None)
+            self._not_pending(forgotten)
             self.counts["dropped_frames"] += 1
         self._settle(batch_id)
         return False  # bounded by ``capacity`` (gossiped frames) and ``fetch_ahead`` (fetched ones)
 
     def refused(self, batch_id: bytes, reason: str) -> None:
+        self._not_pending(batch_id)
         if reason == BELOW_FLOOR:  # the trainer no longer wants it: never handed out
             self.rejected_by_reason[reason] += 1
             self._frames.pop(batch_id, None)
@@ -228,6 +262,9 @@ class AdmissionService:
 
     def offered(self, batch_id: bytes) -> None:
         self._arrived_at.setdefault(batch_id, trio.current_time())
+        offer = self.inbox.offer_of(batch_id)
+        if offer is not None:
+            self._heard(batch_id, offer.worker, offer.policy_step, offer.batch_counter)
         self._settle(batch_id)
 
     async def _on_verdict(self, message: Delivered) -> None:
@@ -254,6 +291,7 @@ class AdmissionService:
             self.inbox.forget(batch_id)
             self._verified.pop(batch_id, None)
             self._arrived_at.pop(batch_id, None)
+            self._not_pending(batch_id)
             self.counts["rejected"] += 1
             verdict = self.book.verdict_of(batch_id)
             for reason in verdict.reasons if verdict is not None else ("rejected",):
@@ -274,6 +312,7 @@ class AdmissionService:
         self.counts["groups_unverified"] += batch.groups - len(verified)
         if not verified:
             self.counts["nothing_verified"] += 1
+            self._not_pending(batch_id)
             log.warning("batch %s accepted with no verified group: nothing to train", batch_id.hex()[:16])
             return
         groups = sorted(verified)
@@ -290,7 +329,7 @@ class AdmissionService:
             )
         )
         while len(self._ready) > self.capacity:
-            self._ready.popleft()
+            self._not_pending(self._ready.popleft().batch_id)
             self.counts["dropped_ready"] += 1
         self._wakeup.set()
 

@@ -3,7 +3,8 @@
 ``ThreadJudge`` owns the ``Judge`` (verification/judge.py) and its ``PolicyEngines``. When the validator
 was given no tokenizer it reads one from the first checkpoint it finds, for the engines and for the
 pipeline's cheap stages alike. Every method here blocks (model loads, forward passes): call them through
-``trio.to_thread.run_sync`` (ValidatorService does).
+a worker thread (ValidatorService does, through ``model_threads.run_model_work``: a stopping service
+abandons the thread, and ``stop``, checked before each forward pass of every engine, ends its work).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from crypto.keys import WalletKey
 from prime_node.errors import NodeError
 from prime_node.ml.tokenizer import load_tokenizer
 from prime_node.verification.judge import Judge, PolicyEngines
+from prime_node.verification.model_threads import ModelStop
 from prime_node.verification.validator import BatchValidator, CheckPolicy, ValidationResult
 from protocol.envelope import Domain, Envelope, EnvelopeVerifier, FreshnessWindow
 
@@ -48,10 +50,13 @@ class ThreadJudge:
         self.device = device
         self._judge: Judge | None = None
         self._engines: PolicyEngines | None = None
+        self.stop = ModelStop()
+        """Set when the validator service stops (model_threads.py)."""
 
     def build(self, domain: Domain, window: FreshnessWindow) -> None:
         from prime_node.tasks.factory import build_task
 
+        self.stop.check()
         run = self.run_config
         self._engines = PolicyEngines(
             self.locate,
@@ -76,9 +81,13 @@ class ThreadJudge:
         """``PolicyEngines``, once the tokenizer is known (read from the first checkpoint seen when none
         was given)."""
         assert self._engines is not None
+        self.stop.check()
         if self.tokenizer is None and not self._load_tokenizer(step):
             return None
-        return self._engines(step)
+        engine = self._engines(step)
+        if engine is not None:
+            self.stop.guard(engine)
+        return engine
 
     def _load_tokenizer(self, *steps: int) -> bool:
         """Read the tokenizer from the checkpoint of the first of ``steps`` held; False if none is."""
@@ -103,6 +112,7 @@ class ThreadJudge:
         self, frame: bytes, step: int, now_ms: int, current_step: int
     ) -> tuple[ValidationResult, Envelope | None]:
         assert self._judge is not None
+        self.stop.check()
         if self.tokenizer is None:  # the pipeline's cheap stages may need it before any engine is built
             self._load_tokenizer(step, current_step)
         return self._judge.judge(frame, now_ms=now_ms, current_step=current_step)

@@ -11,10 +11,10 @@ batches. A frame whose checkpoint has not arrived yet waits beside the queue (pr
 for up to ``policy_wait_s`` and joins it when the checkpoint arrives; at its deadline it is judged anyway
 (the pipeline answers ``unknown_policy``) unless the trainer never published that step, in which case it
 is refused and its sender charged. The check loop itself never waits for anything but work: it judges
-one batch at a time with ``Judge`` in a worker thread (model forward passes must not stall the trio
-loop) and gossips each signed verdict on ``verdicts``. A frame the pipeline rejects without a verdict to
-name its worker (a replay, a body that does not decode) is charged to its sender too. The inbox
-re-announces what the validator fetched, so peers may fetch it from here instead of from the worker.
+one batch at a time with ``Judge`` in a worker thread (a stopping service leaves it: model_threads.py)
+and gossips each signed verdict on ``verdicts``. A frame the pipeline rejects without a verdict to name
+its worker (a replay, a body that does not decode) is charged to its sender too. The inbox re-announces
+what the validator fetched, so peers may fetch it from here instead of from the worker.
 
 Also importable from here: ``publish_batch`` (inferer), ``AdmissionService`` (trainer),
 ``ReputationService`` (any role), the topic names.
@@ -48,6 +48,7 @@ from prime_node.verification.inbox import (
     StepBound,
 )
 from prime_node.verification.judging import ThreadJudge
+from prime_node.verification.model_threads import run_model_work
 from prime_node.verification.reasons import BELOW_FLOOR
 from prime_node.verification.reputation import ReputationService
 from prime_node.verification.transfer_settings import TransferSettings
@@ -241,7 +242,7 @@ class ValidatorService:
 
     async def run(self, context: NodeContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self._context = context
-        await trio.to_thread.run_sync(self._judge.build, self.domain, self.window)
+        await run_model_work(self._judge.stop, self._judge.build, self.domain, self.window)
         async with trio.open_nursery() as nursery:
             if self.trainer is not None:
                 await context.gossip.subscribe(CHECKPOINTS_TOPIC, self._on_announce)
@@ -405,7 +406,7 @@ class ValidatorService:
             self._judge.judge, item.frame, item.step, context.clock.wall_ms(), self.current_step()
         )
         try:
-            result, envelope = await trio.to_thread.run_sync(judge)
+            result, envelope = await run_model_work(self._judge.stop, judge)
         except (NodeError, ProtocolError, OSError, ValueError, RuntimeError) as exc:  # e.g. a bad checkpoint
             log.warning("could not validate batch from %s: %s", item.origin, exc)
             self.counts["errors"] += 1
@@ -440,7 +441,7 @@ class ValidatorService:
     async def preload(self, step: int) -> bool:
         """Load the policy of ``step`` now (in a thread), so the first batch of that step does not wait
         for it; False if the checkpoint is not here (yet)."""
-        return await trio.to_thread.run_sync(self._judge.engine, step) is not None
+        return await run_model_work(self._judge.stop, self._judge.engine, step) is not None
 
 
 def _waited(waiting: Waiting[Address, _Queued], now: float) -> _Queued:

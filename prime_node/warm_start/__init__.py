@@ -7,5 +7,6 @@ command it is asked for becomes a forked child (``child.py``) that is a session 
 argv, environment, working directory and stdio, exactly as a fresh process would have. The owner
 (``launcher.py``) gets a Popen-like handle (``process.py``) whose ``pid`` is the real process, so
 signals, process groups and ``/proc`` work as with ``subprocess.Popen``; only the parent differs.
-``wire.py`` is the request and reply format on the server's Unix socket.
+``wire.py`` is the request and reply format on the server's Unix socket. ``rank_stub.py`` is what
+torchrun starts for a rank when a server is named: it asks for the rank warm and stands in for it.
 """

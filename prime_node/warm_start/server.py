@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass, field
 
 from prime_node.warm_start.child import become, run_as_process
-from prime_node.warm_start.compatibility import ENTRY_MODULES, cold_reason
+from prime_node.warm_start.compatibility import ENTRY_MODULES, cold_reason, startup_hook_reason
 from prime_node.warm_start.wire import Request, WarmStartError, receive_request, reply_line
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,9 @@ def _accept(
         log.warning("warm start: request refused: %s", exc)
         connection.close()
         return None
-    reason = cold_reason(os.environ, sys.executable, request.env, request.executable)
+    reason = cold_reason(os.environ, sys.executable, request.env, request.executable, sys.modules)
+    if reason is None:
+        reason = startup_hook_reason(request.sys_path, sys.path, os.path.exists)
     if request.module not in ENTRY_MODULES:
         reason = f"{request.module} is not a prime-node entry point"
     if reason is None:

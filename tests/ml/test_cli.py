@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -149,3 +152,44 @@ def test_run_trainer_local_prints_each_evaluation_as_it_happens(tiny_model_dir: 
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     order = [("eval", line["eval_step"]) if "eval_step" in line else ("step", line["step"]) for line in lines]
     assert order == [("eval", 0), ("step", 1), ("eval", 1), ("step", 2), ("eval", 2)]
+
+
+@pytest.mark.slow
+def test_run_trainer_nproc_prints_each_line_as_it_happens(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 36: ``run-trainer --local --nproc 2`` printed its step lines only after the last step (rank 0
+    printed the run's result at the end). As a real process (torchrun, two gloo ranks), read line by line:
+    the start's evaluation and step 1 arrive while the run is still going, so it can be stopped there,
+    well before its last step (order of events, no time bound)."""
+    config = tmp_path / "run.toml"
+    config.write_text(
+        "group_size = 4\nprompts_per_step = 2\nmax_new_tokens = 4\neval_tasks = 4\nthreads = 1\n"
+        'local_inference = "thread"\n[length_reward]\ncoef = 1.0\ntarget_tokens = 2\n'
+    )
+    out, steps = tmp_path / "out", 100
+    command = [sys.executable, "-m", "prime_node", "run-trainer", "--config", str(config), "--local"]
+    command += ["--model", str(tiny_model_dir), "--output", str(out), "--max-steps", str(steps)]
+    command += ["--nproc", "2"]
+    with (tmp_path / "stderr.txt").open("w") as errors:
+        process = subprocess.Popen(
+            command, cwd=REPO, stdout=subprocess.PIPE, stderr=errors, text=True, start_new_session=True
+        )
+        guard = threading.Timer(600, lambda: os.killpg(process.pid, signal.SIGKILL))  # hang guard only
+        guard.daemon = True
+        guard.start()
+        try:
+            assert process.stdout is not None
+            first = [json.loads(process.stdout.readline())]
+            metrics = out / "metrics.jsonl"
+            written = metrics.read_text().splitlines() if metrics.exists() else []
+            assert len(written) < steps  # the first line came while the run was still training
+            first.append(json.loads(process.stdout.readline()))
+            assert first[0].get("eval_step") == 0 and first[1].get("step") == 1, first
+            process.send_signal(signal.SIGTERM)  # stopping it there (the launcher stops every rank)
+            rest = [json.loads(line) for line in process.stdout if line.startswith("{")]
+            assert process.wait() == 130
+        finally:
+            guard.cancel()
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    printed = [line["step"] for line in first + rest if "step" in line]
+    assert printed == list(range(1, len(printed) + 1)) and len(printed) < steps

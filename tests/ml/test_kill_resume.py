@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +29,13 @@ from prime_node.warm_start.process import WarmProcess
 from tests import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 8
-"""The rank is killed once 4 steps are in metrics.jsonl; the rerun then retrains the last and takes the rest
-(the claims hold for any count above the kill point: 8 keeps the runs short)."""
+STEPS = 10
+KILLS = ((1, 1, 4), (0, 3, 7))
+"""(rank killed, checkpoint_every, step): the first launch saves the training state after every step and
+loses rank 1 once step 4 is in metrics.jsonl; the second, its rerun, saves it every 3 steps and loses
+rank 0 once step 7 is there; the third runs to STEPS. Each kill waits for the state its checkpoint_every
+promises before it (steps 3 and 6), so the resume point does not depend on how far a save running beside
+the next step had got (the claims hold for any kill points: these keep the runs short)."""
 LOSS_RTOL = 1e-4
 """A step retrained after the resume starts from the same weights and AdamW state on the same batch as
 before the kill, in another pair of processes. Measured here (native kernels and
@@ -54,7 +60,7 @@ def _write_config(path: Path, model_dir: Path, out: Path, checkpoint_every: int)
                 "learning_rate = 3e-3",
                 "eval_tasks = 0",
                 f"checkpoint_every = {checkpoint_every}",
-                # Rank 0 generates in a thread, not in a child that loads torch again in both runs (the
+                # Rank 0 generates in a thread, not in a child that loads torch again in every launch (the
                 # child under torchrun is tests/ml/test_local_run.py's 2-rank run-trainer test; a killed
                 # trainer with its child, that file's SIGKILL test).
                 'local_inference = "thread"',
@@ -96,65 +102,116 @@ def _stop_tree(launcher: subprocess.Popen[Any] | WarmProcess) -> None:
     launcher.wait(timeout=30)
 
 
-@pytest.mark.slow  # ~65 s per case on a loaded 2-core machine
-@pytest.mark.parametrize(("killed_rank", "checkpoint_every"), [(0, 3), (1, 1)])
-def test_sigkilled_rank_resumes_from_sharded_checkpoint_losing_no_batch(
-    tiny_model_dir: Path, tmp_path: Path, killed_rank: int, checkpoint_every: int
+@pytest.mark.slow  # three launches of torchrun with two ranks
+def test_sigkilled_ranks_resume_from_sharded_checkpoints_losing_no_batch(
+    tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Killing rank 0 takes the rollout log and the checkpoint writer down mid-run (in the runs measured
-    the resume point was a step behind the last trained one, so that step was retrained from the log);
-    killing rank 1 leaves torchrun to stop rank 0, which is blocked in the step's collectives. With the
-    training state every 3 steps, the rerun replays the logged steps since the newest one."""
+    """Killing rank 1 leaves torchrun to stop rank 0, which is blocked in the step's collectives; killing
+    rank 0 takes the rollout log and the checkpoint writer down mid-run. Each rerun of the same command
+    resumes from the newest sharded training state (at or before the last trained step), retrains the
+    logged steps after it on the same batches to the same losses, and loses no batch: with the state
+    every step (the first kill) or every 3 steps (the second, replaying the logged steps since it).
+
+    One chain of launches on one output directory: the rerun after the first kill is the run the second
+    kill stops (a launch of torchrun and two ranks fewer than two separate kill-and-rerun cases)."""
     out = tmp_path / "run"
     config = tmp_path / "run.toml"
-    _write_config(config, tiny_model_dir, out, checkpoint_every)
     command = [sys.executable, "-m", "prime_node", "run-trainer", "--config", str(config), "--local"]
     command += ["--nproc", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(tmp_path / "first.log", "wb") as first_log:
+    killed: _Killed | None = None  # the previous launch's kill, checked against this launch's lines
+    for launch, (rank, checkpoint_every, at_step) in enumerate(KILLS):
+        _write_config(config, tiny_model_dir, out, checkpoint_every)
+        start = len(_metrics(out))
+        state_due = (at_step - 1) // checkpoint_every * checkpoint_every
+
+        def ready(start: int = start, at_step: int = at_step, state_due: int = state_due) -> bool:
+            lines, state = _metrics(out)[start:], newest_sharded(out / "train_state")
+            return (
+                bool(lines) and lines[-1]["step"] >= at_step and state is not None and state.step >= state_due
+            )
+
+        _run_until_killed(command, env, tmp_path / f"launch{launch}.log", rank, ready)
+        lines = _metrics(out)[start:]
+        killed_at = lines[-1]["step"]
+        if killed is not None:
+            _check_rerun(killed, lines, _logged(out))
+        first = killed.resumed_from(lines) + 1 if killed is not None else 1
+        assert [m["step"] for m in lines] == list(range(first, killed_at + 1)) and killed_at < STEPS
+        logged = _logged(out)
+        low = 0 if killed is None else min(logged)  # a rerun compacts what no resume can need
+        assert set(range(low, killed_at)) <= set(logged)  # every trained batch was logged first
+        resume_point = newest_sharded(out / "train_state")
+        assert resume_point is not None and state_due <= resume_point.step <= killed_at + 1
+        assert resume_point.step % checkpoint_every == 0
+        every_line = _metrics(out)
+        killed = _Killed(killed_at, {m["step"]: m for m in every_line}, logged, len(every_line))
+
+    assert killed is not None
+    rerun = warm_cli.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=480, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    after = _metrics(out)[killed.lines :]
+    _check_rerun(killed, after, _logged(out))
+    assert after[-1]["step"] == STEPS
+    logged_after = _logged(out)
+    assert sorted(logged_after) == list(range(min(logged_after), STEPS))  # one batch per step, none lost
+    final = newest_sharded(out / "train_state")
+    assert final is not None and (final.step, final.world_size) == (STEPS, 2)
+
+
+@dataclass
+class _Killed:
+    """What a killed launch left: its last trained step, each step's latest metrics line, the rollout
+    log, and how many lines metrics.jsonl had."""
+
+    killed_at: int
+    trained: dict[int, dict[str, Any]]
+    logged: dict[int, Any]
+    lines: int
+
+    def resumed_from(self, lines: list[dict[str, Any]]) -> int:
+        return int(lines[0]["step"]) - 1
+
+
+def _check_rerun(killed: _Killed, lines: list[dict[str, Any]], logged_after: dict[int, Any]) -> None:
+    """The launch after a kill resumed from a sharded checkpoint (not from scratch) at or before the last
+    trained step and took every later step once, in order; steps trained before the kill and again after
+    it were retrained on the same logged batch from the same state (same rewards, kept groups, loss); the
+    log kept every batch a resume can need and replayed, not redrew, them."""
+    resumed_from = killed.resumed_from(lines)
+    assert 1 <= resumed_from <= killed.killed_at
+    assert [m["step"] for m in lines] == list(range(resumed_from + 1, lines[-1]["step"] + 1))
+    for again in (m for m in lines if m["step"] <= killed.killed_at):
+        first = killed.trained[again["step"]]
+        assert (first["reward_mean"], first["groups_kept"]) == (again["reward_mean"], again["groups_kept"])
+        assert math.isclose(first["loss"], again["loss"], rel_tol=LOSS_RTOL, abs_tol=1e-7)
+    oldest = min(logged_after)
+    assert sorted(logged_after) == list(range(oldest, max(logged_after) + 1))  # no gap
+    assert oldest <= resumed_from
+    assert all(logged_after[k] == killed.logged[k] for k in killed.logged if k >= oldest)  # replayed
+
+
+def _logged(out: Path) -> dict[int, Any]:
+    """The rollout log's batches by step (cutting a torn tail, as a rerun would)."""
+    return RolloutLog(out / "rollouts.log").batches_from(0)
+
+
+def _run_until_killed(
+    command: list[str], env: dict[str, str], log: Path, rank: int, ready: Callable[[], bool]
+) -> None:
+    """Start the command, SIGKILL torchrun's worker of ``rank`` once ``ready()``, and see torchrun fail."""
+    with open(log, "wb") as handle:
         launcher = warm_cli.popen(
-            command, cwd=REPO, env=env, stdout=first_log, stderr=subprocess.STDOUT, start_new_session=True
+            command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and len(_metrics(out)) < 4:
-                assert launcher.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            while time.monotonic() < deadline and not ready():
+                assert launcher.poll() is None, log.read_text()[-3000:]
                 time.sleep(0.05)
-            victim = _rank_process(launcher, killed_rank)
+            victim = _rank_process(launcher, rank)
             assert victim is not None, "no torchrun worker with that RANK"
             victim.send_signal(signal.SIGKILL)
             assert launcher.wait(timeout=180) != 0  # torchrun saw the rank die and failed the run
         finally:
             _stop_tree(launcher)
-
-    before = _metrics(out)
-    killed_at = before[-1]["step"]
-    assert [m["step"] for m in before] == list(range(1, killed_at + 1)) and killed_at < STEPS
-    logged_before = RolloutLog(out / "rollouts.log").batches_from(0)  # (cuts a torn tail, as a rerun would)
-    assert set(range(killed_at)) <= set(logged_before)  # every trained batch was logged first
-    resume_point = newest_sharded(out / "train_state")
-    assert resume_point is not None and 1 <= resume_point.step <= killed_at + 1
-    assert resume_point.step % checkpoint_every == 0
-
-    rerun = warm_cli.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=480, check=False)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-
-    after = _metrics(out)[len(before) :]
-    resumed_from = after[0]["step"] - 1
-    # The rerun resumed from a sharded checkpoint (not from scratch) at or before the last trained step,
-    # and took every later step exactly once: together the two runs cover 1..STEPS with no gap.
-    assert 1 <= resumed_from <= killed_at
-    assert [m["step"] for m in after] == list(range(resumed_from + 1, STEPS + 1))
-    # Steps trained before the kill and again after it were retrained on the same logged batch from the
-    # same state: same rewards and kept groups, the same loss.
-    for first, again in zip(before[resumed_from:], after, strict=False):
-        assert first["step"] == again["step"]
-        assert (first["reward_mean"], first["groups_kept"]) == (again["reward_mean"], again["groups_kept"])
-        assert math.isclose(first["loss"], again["loss"], rel_tol=LOSS_RTOL, abs_tol=1e-7)
-    logged_after = RolloutLog(out / "rollouts.log").batches_from(0)
-    oldest = min(logged_after)
-    assert sorted(logged_after) == list(range(oldest, STEPS))  # one batch per step, none lost
-    assert oldest <= resumed_from
-    assert all(logged_after[k] == logged_before[k] for k in logged_before if k >= oldest)  # replayed
-    final = newest_sharded(out / "train_state")
-    assert final is not None and (final.step, final.world_size) == (STEPS, 2)

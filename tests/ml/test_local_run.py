@@ -368,7 +368,8 @@ def test_run_trainer_with_two_gloo_processes_trains(tiny_model_dir: Path, tmp_pa
         check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    # rank 0 prints each step's line and each evaluation's (eval_step) as they happen
+    steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"step"')]
     assert [s["step"] for s in steps] == [1, 2, 3]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(math.isfinite(m["loss"]) for m in metrics)

@@ -12,6 +12,7 @@ done, and every delta is against a policy that was shared. Ordering is forced wi
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 import trio
 from safetensors.torch import load as load_safetensors
 
-from crypto.keys import WalletKey
+from crypto.keys import Address, WalletKey
 from prime_node.config import RunConfig
 from prime_node.ml.engine import TorchEngine
 from prime_node.ml.model import load_model
@@ -33,6 +34,8 @@ from prime_node.roles.trainer_publisher import PolicyPublisher, Timing
 from prime_node.roles.trainer_service import TrainerOptions, TrainerService
 from prime_node.swarm.delta_versions import Published
 from prime_node.tasks.factory import build_task
+from prime_node.verification.inbox.pending import PendingBatches
+from protocol.demand import Heard
 from protocol.manifest import Manifest, build_manifest
 from protocol.rollouts import RolloutBatch
 from tests.p2p.helpers import wait_until
@@ -264,6 +267,35 @@ async def test_the_next_steps_batches_are_admitted_while_a_step_trains(
     assert swarm.calls[0][0] == 0 and swarm.calls[-1][0] == 2  # the last policy shared before the end
 
 
+async def test_batches_arriving_older_make_the_trainer_want_a_shallower_queue(
+    tmp_path: Path, tiny_model_dir: Path, batches: list[RolloutBatch]
+) -> None:
+    """Issue 38: the demand's depth follows the batches' round trip. Three batches of policy 0 reach the
+    trainer at steps 0, 1 and 2 (ages 0, 1, 2; ``async_level`` 2): a batch of the typical age (1) behind a
+    queue of two steps would be trained at age 3, past the bound, so the trainer now wants one step's worth
+    (the fixed depth wanted two)."""
+    swarm, admission = _HeldSwarm(), _Admission()
+    service = _service(tmp_path, tiny_model_dir, 3, swarm, admission)
+
+    def trained(step: int) -> Callable[[], bool]:
+        return lambda: service.step == step
+
+    try:
+        with trio.fail_after(GUARD_S * 3):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(service.run, _Context())
+                for step, batch in enumerate(batches, start=1):
+                    await admission.accept(batch)
+                    await wait_until(trained(step), GUARD_S)
+    finally:
+        service.close()
+    step, floor, wanted, _, fresh = service.demand_now()
+    assert (step, floor) == (3, 1)
+    assert (wanted, fresh) == ((0, 0, 1), 1)  # the newest policy only
+    ages = service.status()["ages"]
+    assert ages["arrival"] == {0: 1, 1: 1, 2: 1} and ages["trained"] == {0: 1, 1: 1, 2: 1}
+
+
 async def test_a_skipped_policy_moves_the_next_snapshot_to_the_first_policy_shared_after_it(
     tmp_path: Path,
 ) -> None:
@@ -312,3 +344,85 @@ def test_a_policy_file_pruned_between_the_look_and_the_link_is_linked_from_where
         assert (directory / "model.safetensors").read_bytes() == found(0).read_bytes()
     finally:
         service.close()
+
+
+class _DemandContext(_Context):
+    """``_Context`` with the gossip and clock the demand publisher uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.published: list[bytes] = []
+
+        async def subscribe(topic: str, handler: Any) -> None:
+            return None
+
+        async def publish(topic: str, payload: bytes) -> None:
+            self.published.append(payload)
+
+        self.gossip = SimpleNamespace(subscribe=subscribe, publish=publish)
+        self.clock = SimpleNamespace(wall_ms=lambda: 1_700_000_000_000)
+
+
+class _HeardAdmission(_Admission):
+    """Admission that also hears batches announced before their verdicts, with the real bounded count
+    (``PendingBatches``) the ``AdmissionService`` keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending = PendingBatches(per_worker=4)
+        self.on_change: Callable[[], None] | None = None
+        self.changes = 0
+
+    def pending_by_policy(self) -> dict[int, int]:
+        return dict(self.pending.by_policy(trio.current_time()))
+
+    def heard_marks(self, most: int) -> tuple[tuple[Address, int], ...]:
+        return self.pending.marks(most)
+
+    def hear(self, batch_id: bytes, worker: Address, policy_step: int, counter: int) -> None:
+        self.pending.heard(batch_id, worker, policy_step, counter, trio.current_time())
+        self.changes += 1
+        if self.on_change is not None:
+            self.on_change()
+
+
+async def test_the_demand_counts_batches_heard_announced_before_their_verdicts(
+    tmp_path: Path, tiny_model_dir: Path, batches: list[RolloutBatch]
+) -> None:
+    """Issue 38: each inferer used to count only its own batches on their way, and two filled the same
+    room before either heard of the other's. Now the trainer counts every batch its admission heard
+    announced as had (and names each worker's newest counter heard): the count is exact."""
+    swarm, admission = _HeldSwarm(), _HeardAdmission()
+    key = WalletKey.generate()
+    service = TrainerService(
+        key=key,
+        run_config=_config(tmp_path, tiny_model_dir, key, 3),
+        swarm=swarm,
+        admission=admission,
+        options=TrainerOptions(stop_when_done=True, evaluate=False, fill_wait_s=0.0, demand=True),
+    )
+    assert service.demand is not None
+    worker = WalletKey.generate().address
+    context = _DemandContext()
+    try:
+        with trio.fail_after(GUARD_S * 3):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(service.run, context)
+                for step, batch in enumerate(batches, start=1):  # ages 0, 1, 2: one step's worth wanted
+                    await admission.accept(batch)
+                    await wait_until(lambda step=step: service.step == step, GUARD_S)
+    finally:
+        service.close()
+    assert context.published  # the demand was gossiped meanwhile
+    step, floor, wanted, _, fresh = service.demand_now()
+    assert (step, floor, wanted, fresh) == (3, 1, (0, 0, 1), 1)
+    assert service.demand.make(1).heard == ()
+    # an inferer's batch of policy 3 is announced: had, before any verdict on it
+    admission.hear(b"b" * 32, worker, 3, 42)
+    _, _, wanted, _, fresh = service.demand_now()
+    assert (wanted, fresh) == ((0, 0, 0), 0)
+    assert service.demand.make(2).heard == (Heard(worker, 42),)
+    assert service.demand._changed.is_set()  # published soon (rate limited)
+    # the validators refused it: wanted again
+    admission.pending.settled(b"b" * 32)
+    assert service.demand_now()[2] == (0, 0, 1)

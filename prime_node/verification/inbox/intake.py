@@ -228,6 +228,11 @@ class RolloutInbox:
             self._forget_offer(forgotten)
         self.intake.offered(batch_id)
 
+    def offer_of(self, batch_id: bytes) -> RolloutAnnouncement | None:
+        """The kept offer of ``batch_id`` (``fetch_on_arrival=False``), if any."""
+        offer = self._offers.get(batch_id)
+        return None if offer is None else offer.announcement
+
     def want(self, batch_id: bytes) -> None:
         """The owner wants a kept offer's bytes now (fetched once it fits, newest step first)."""
         offer = self._offers.get(batch_id)
