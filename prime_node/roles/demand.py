@@ -93,9 +93,13 @@ def plan_demand(
     """
     floor = max(0, min(step, step + queued_steps - async_level))
     top = min(step, floor + MAX_WANTED - 1)
-    coming = coming or {}
+    # Only batches the trainer could take count: one claiming a policy it has not made yet (a flood of
+    # future-step frames, never judged) would otherwise fill the room and starve it.
+    coming = {p: n for p, n in (coming or {}).items() if floor <= p <= step}
     have = {p: have.get(p, 0) + coming.get(p, 0) for p in set(have) | set(coming)}
-    room = max(0, depth - queued_steps - sum(n for p, n in coming.items() if p >= floor))
+    # Heard batches may be a hostile key's that never come (each counted up to 20 s): they never take the
+    # last step's worth of room, so the trainer always wants something (a flood cannot starve it).
+    room = max(0, depth - queued_steps - min(sum(coming.values()), depth - 1))
     fresh = min(per_policy, room, MAX_WANT)
     wanted = [0] * (top - floor + 1)
     for policy in range(top, floor - 1, -1):
@@ -161,9 +165,9 @@ class TrainerWants:
         self.step_ms = 0.0
         self._last_step_at: float | None = None
         self.arrival_ages: deque[int] = deque(maxlen=ARRIVAL_WINDOW)
+        """Ages (trainer step - policy step) of the latest batches on arrival, stale ones included."""
         self.trained_ages: deque[int] = deque(maxlen=ARRIVAL_WINDOW)
         """Ages (trainer step - policy step) of the latest batches when trained."""
-        """Ages (trainer step - policy step) of the latest batches on arrival, stale ones included."""
         self.ages: dict[str, Counter[int]] = {
             "arrival": Counter(),
             "trained": Counter(),

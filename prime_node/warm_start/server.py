@@ -171,6 +171,8 @@ def _accept(
         reason = f"{request.module} is not a prime-node entry point"
     if reason is None:
         reason = fork_unsafe_reason(threads_after_preload)
+    if reason is None:
+        reason = namespace_reason(owner_pid)
     if reason is not None:
         _close_fds(request.fds)
         with contextlib.suppress(OSError):
@@ -234,6 +236,24 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
+
+
+NAMESPACES = ("net", "mnt")
+"""A child lives in the server's namespaces, whoever asked: a requester in another network namespace
+(``ip netns exec``: the NAT and multi-node tests, torchrun ranks of a node in one) must start cold, or its
+process would listen and dial in the wrong network."""
+
+
+def namespace_reason(pid: int) -> str | None:
+    """Why a process of ``pid`` cannot be served warm for its namespaces, or None."""
+    for name in NAMESPACES:
+        try:
+            theirs, ours = os.stat(f"/proc/{pid}/ns/{name}"), os.stat(f"/proc/self/ns/{name}")
+        except OSError as exc:
+            return f"its {name} namespace cannot be read ({exc.strerror})"
+        if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
+            return f"it runs in another {name} namespace"
+    return None
 
 
 def _peer(connection: socket.socket) -> tuple[int, int]:

@@ -151,7 +151,8 @@ def test_batches_heard_announced_are_had_and_take_room_but_never_raise_the_floor
         step=step, async_level=level, have=have, queued_steps=queued, depth=depth, coming=coming
     )
     assert floor == plan_demand(step=step, async_level=level, have=have, queued_steps=queued)[0]
-    room = max(0, depth - queued - sum(n for p, n in coming.items() if p >= floor))
+    heard = sum(n for p, n in coming.items() if floor <= p <= step)  # takeable only, never the last step
+    room = max(0, depth - queued - min(heard, depth - 1))
     assert sum(wanted) <= room and fresh <= room
     for i, want in enumerate(wanted):
         policy = floor + i
@@ -160,3 +161,11 @@ def test_batches_heard_announced_are_had_and_take_room_but_never_raise_the_floor
         assert (floor, wanted, fresh) == plan_demand(
             step=step, async_level=level, have=have, queued_steps=queued, depth=depth
         )
+
+
+def test_batches_heard_for_a_policy_not_made_yet_take_no_room() -> None:
+    """A flood of frames claiming the step after the newest (never judged, counted as heard) must not
+    fill the demand's room: the trainer would want nothing and starve (the short demo's flood did)."""
+    plain = plan_demand(step=5, async_level=4, have={}, queued_steps=0, depth=2)
+    flooded = plan_demand(step=5, async_level=4, have={}, queued_steps=0, depth=2, coming={6: 4, 9: 4})
+    assert flooded == plain and sum(plain[1]) > 0
