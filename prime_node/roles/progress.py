@@ -57,6 +57,14 @@ class Progress:
         return before is None or self != before
 
 
+def progress_role(role: str | None, pinned: str | None) -> str:
+    """The role a progress line names: the one running, else what the node is starting as. Before its
+    first role a node only seeds, but a ``--role validator`` node's lines said "seeder" until then."""
+    if role is not None:
+        return role
+    return f"{pinned} (starting)" if pinned is not None else "joining"
+
+
 def _bytes(count: int) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if count >= size:

@@ -62,7 +62,7 @@ from prime_node.roles.choice import (
 from prime_node.roles.demand import DemandView
 from prime_node.roles.demand_taps import BacklogTaps, role_progress
 from prime_node.roles.inferer_service import InfererService
-from prime_node.roles.progress import PROGRESS_INTERVAL_S, Progress, ProgressReporter
+from prime_node.roles.progress import PROGRESS_INTERVAL_S, Progress, ProgressReporter, progress_role
 from prime_node.verification.batch_archive import BatchArchive
 from prime_node.verification.cheating import CheatingProducer
 from prime_node.verification.inbox import IntakeHooks
@@ -229,7 +229,8 @@ class RoleRunner:
 
     def progress(self) -> Progress | None:
         """The contributor's view for the progress lines (None until the run is known)."""
-        return role_progress(self.role, self.config, self.swarm, self.service)
+        label = progress_role(self.state.role if self.state is not None else None, self.pinned)
+        return role_progress(label, self.config, self.swarm, self.service)
 
     def record_part(self) -> RecordPart:
         """The role chosen and the hardware --gpu selected, once known (else the node's own view)."""

@@ -215,6 +215,7 @@ class AdmissionService:
             "stages": self.stages.summary(),
             "heard_pending": len(self.pending),
             "heard_not_counted": self.pending.not_counted,
+            "heard_not_vouched": self.pending.not_vouched,
             **{key: self.counts[key] for key in INTAKE_COUNTS},
             "refused_reasons": dict(inbox.refused),
             "offers": inbox.offers_kept,
@@ -315,6 +316,7 @@ class AdmissionService:
             self._not_pending(batch_id)
             log.warning("batch %s accepted with no verified group: nothing to train", batch_id.hex()[:16])
             return
+        self.pending.vouched(batch.worker)  # verified work: its announcements count in the demand from now
         groups = sorted(verified)
         lined_up = all(len(verified[g]) == batch.group_size for g in groups)
         self._ready.append(

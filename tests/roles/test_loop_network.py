@@ -166,6 +166,7 @@ async def test_checkpoints_flow_batches_are_validated_and_only_accepted_ones_are
             # the contributor's terminal: the run followed, its rollouts' fate, the run's end, and on stop
             # a summary (issue 36)
             assert any("following trainer" in line for line in honest_lines)
+            assert not any(line.startswith("seeder") for line in honest_lines)  # "inferer (starting)"
             await wait_until(lambda: "the run has ended" in honest_lines[-1], timeout=60)
             assert honest_lines[-1].startswith("inferer · policy 3/3 · rollouts: ")
             said = re.search(r"(\d+) published, (\d+) accepted, 0 rejected", honest_lines[-1])

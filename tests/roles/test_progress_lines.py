@@ -9,7 +9,14 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prime_node.roles.progress import Progress, ProgressReporter, progress_json, progress_line, summary_line
+from prime_node.roles.progress import (
+    Progress,
+    ProgressReporter,
+    progress_json,
+    progress_line,
+    progress_role,
+    summary_line,
+)
 
 REASONS = st.sampled_from(["stale_policy", "sampling_mismatch", "bad_proof", "duplicate"])
 PROGRESS = st.builds(
@@ -50,6 +57,15 @@ def test_the_summary_says_how_long_as_what_and_what_came_of_it(
     assert "served" in line and "None" not in line
     if last.published:
         assert f"{last.published} rollout batches published, {last.accepted} accepted" in line
+
+
+def test_before_its_first_role_a_line_names_what_the_node_starts_as_not_seeder() -> None:
+    """A ``--role validator`` node said ``seeder · no policy yet`` until its first checkpoint came."""
+    assert progress_role(None, "validator") == "validator (starting)"
+    assert progress_role(None, None) == "joining"
+    assert progress_role("inferer", "validator") == "inferer"  # the running role is what it is
+    line = progress_line(Progress(role=progress_role(None, "validator"), max_steps=10))
+    assert line.startswith("validator (starting) · no policy yet")
 
 
 def test_the_run_ends_only_once_its_last_policy_is_held() -> None:

@@ -380,6 +380,7 @@ class _HeardAdmission(_Admission):
         return self.pending.marks(most)
 
     def hear(self, batch_id: bytes, worker: Address, policy_step: int, counter: int) -> None:
+        self.pending.vouched(worker)  # as if one of its batches had been accepted before
         self.pending.heard(batch_id, worker, policy_step, counter, trio.current_time())
         self.changes += 1
         if self.on_change is not None:

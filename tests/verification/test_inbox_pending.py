@@ -32,6 +32,7 @@ OPS = st.lists(
         st.tuples(st.just("heard"), st.integers(0, 3), st.integers(0, 30), st.integers(0, 5)),
         st.tuples(st.just("settled"), st.integers(0, 30), st.just(0), st.just(0)),
         st.tuples(st.just("wait"), st.integers(0, 30), st.just(0), st.just(0)),
+        st.tuples(st.just("vouch"), st.integers(0, 3), st.just(0), st.just(0)),
     ),
     max_size=80,
 )
@@ -50,8 +51,13 @@ def test_counted_batches_stay_within_every_bound_and_match_a_model(
     for op, a, b, c in ops:
         if op == "heard":
             worker, batch = WORKERS[a], f"{a}:{b}".encode()
-            pending.heard(batch, worker, policy_step=c, counter=b, now=now)
-            newest[a] = max(newest.get(a, -1), b)
+            vouched = pending.is_vouched(worker)
+            counted = pending.heard(batch, worker, policy_step=c, counter=b, now=now)
+            assert vouched or not counted  # an unvouched worker's batch never counts
+            if vouched:
+                newest[a] = max(newest.get(a, -1), b)
+        elif op == "vouch":
+            pending.vouched(WORKERS[a])
         elif op == "settled":
             for w in range(4):
                 pending.settled(f"{w}:{a}".encode())
@@ -74,6 +80,8 @@ def test_counted_batches_stay_within_every_bound_and_match_a_model(
 def test_a_worker_holds_at_most_its_share_until_settled_or_timed_out() -> None:
     pending = PendingBatches(per_worker=2, timeout_s=20.0)
     hostile, honest = WORKERS[0], WORKERS[1]
+    pending.vouched(hostile)  # each had a batch accepted
+    pending.vouched(honest)
     for counter in range(10):  # a flood of offers: two count
         pending.heard(bytes([counter]), hostile, policy_step=5, counter=counter, now=0.0)
     assert pending.by_policy(0.0) == {5: 2} and pending.not_counted == 8
@@ -82,6 +90,25 @@ def test_a_worker_holds_at_most_its_share_until_settled_or_timed_out() -> None:
     assert pending.settled(b"honest") and not pending.settled(b"honest")  # counted once
     assert pending.by_policy(20.5) == {}  # the flood's never judged: forgotten after the timeout
     assert pending.marks(1) == ((honest, 1),) and dict(pending.marks(16))[hostile] == 9
+
+
+def test_workers_with_no_accepted_batch_count_nothing_however_many_keys() -> None:
+    """A fresh key costs nothing: Sybil keys announcing batches they never send would fill the demand
+    (4 each) and starve the trainer. Until an accepting quorum vouched for one of a worker's batches, its
+    announcements are neither counted nor marked (its inferer counts them itself)."""
+    pending = PendingBatches(per_worker=4, max_workers=8)
+    sybils = [WalletKey.generate().address for _ in range(50)]
+    for number, sybil in enumerate(sybils):
+        for counter in range(4):
+            assert not pending.heard(f"{number}:{counter}".encode(), sybil, 5, counter, now=0.0)
+    assert pending.by_policy(0.0) == {} and pending.marks(16) == () and pending.not_vouched == 200
+    honest = WORKERS[0]
+    assert not pending.heard(b"first", honest, 5, 0, now=0.0)  # its first batch: not yet vouched
+    pending.vouched(honest)
+    assert pending.heard(b"second", honest, 5, 1, now=0.0) and pending.marks(16) == ((honest, 1),)
+    for sybil in sybils:  # vouching is bounded: the oldest vouched are forgotten first
+        pending.vouched(sybil)
+    assert not pending.is_vouched(honest) and sum(pending.is_vouched(s) for s in sybils) == 8
 
 
 async def test_the_trainers_admission_counts_what_it_heard_within_each_workers_share(
@@ -102,6 +129,10 @@ async def test_the_trainers_admission_counts_what_it_heard_within_each_workers_s
     async with trio.open_nursery() as nursery:
         await _start(nursery, flooder)
         await _run_inbox(nursery, service)
+        _announce(service.inbox, flooder, 100)  # no batch of its accepted yet: not counted
+        assert service.pending_by_policy() == {} and service.stats()["heard_not_vouched"] == 1
+        service.pending.vouched(flooder.key.address)  # as an accepting quorum's verdict does
+        service.pending.vouched(worker.address)
         for counter in range(10):  # ten offers, never delivered: four count
             _announce(service.inbox, flooder, counter)
         assert service.pending_by_policy() == {STEP: 4} and service.stats()["heard_not_counted"] == 6
@@ -110,6 +141,7 @@ async def test_the_trainers_admission_counts_what_it_heard_within_each_workers_s
         _announce(service.inbox, flooder, 20, step=STEP - 2)  # below the floor: dropped, never counted
         await service.inbox.on_rollout(_gossiped(_frame(worker, STEP + 5, 8), worker))  # refused on arrival
         assert service.pending_by_policy() == {STEP: 4, STEP - 1: 1}
+        # the flooder's unvouched offer (counter 100) was never marked
         assert dict(service.heard_marks(16)) == {worker.address: 7, flooder.key.address: 9}
         assert len(changes) >= 11
         await trio.sleep(PENDING_TIMEOUT_S + 1)  # no verdict came: they stop counting

@@ -55,6 +55,9 @@ async def test_an_honest_batch_is_validated_and_reaches_the_trainer(tmp_path: Pa
         stats = swarm.admission.stats()
         assert stats["accepted"] == 1
         assert stats["accepted_by_worker"] == {str(scenario.key.address): 1}
+        # its first batch was heard before any of its was accepted: not counted in the demand; the
+        # accepting verdict vouched for the worker, so its next announcements count
+        assert stats["heard_not_vouched"] == 1 and swarm.admission.pending.is_vouched(scenario.key.address)
         nursery.cancel_scope.cancel()
 
 

@@ -11,8 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -23,30 +21,10 @@ from prime_node.roles.trainer_launcher import run_torchrun
 from prime_node.warm_start.compatibility import cold_reason
 from prime_node.warm_start.launcher import DISABLE_VARIABLE, SOCKET_VARIABLE, WarmStart
 from prime_node.warm_start.rank_stub import STUB_MODULE, parse, stub_arguments
+from tests.warm_start.helpers import HANG_GUARD_S, gone, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-HANG_GUARD_S = 120.0
 STUB = [sys.executable, "-m", STUB_MODULE]
-
-
-@pytest.fixture(scope="module")
-def warm() -> Iterator[WarmStart]:
-    with WarmStart() as server:
-        yield server
-
-
-def _wait_for(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def _server_pid(warm: WarmStart) -> int:
@@ -69,7 +47,7 @@ def _rank_of(warm: WarmStart, stub: subprocess.Popen[str], before: set[int]) -> 
         found[:] = _forked(warm) - before
         return bool(found)
 
-    _wait_for(forked, "no warm rank")
+    wait_for(forked, "no warm rank")
     assert len(found) == 1, found
     return psutil.Process(found[0])
 
@@ -123,7 +101,7 @@ def test_the_stubs_rank_is_forked_by_the_server_and_gets_the_stubs_signals_and_e
         os.killpg(process.pid, signal.SIGTERM)  # as torchrun stops a rank (its process group)
         process.wait(timeout=HANG_GUARD_S)
         assert process.returncode == -signal.SIGTERM  # the rank died of it, and so did the stub
-        _wait_for(lambda: _gone(rank.pid), "the rank outlived its stub")
+        wait_for(lambda: gone(rank.pid), "the rank outlived its stub")
     finally:
         process.kill()
         process.communicate()
@@ -154,7 +132,7 @@ def test_a_sigkilled_stub_takes_its_warm_rank_with_it(warm: WarmStart, tmp_path:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=HANG_GUARD_S)
         assert process.returncode == -signal.SIGKILL
-        _wait_for(lambda: _gone(rank.pid), "the warm rank outlived its SIGKILLed stub")
+        wait_for(lambda: gone(rank.pid), "the warm rank outlived its SIGKILLed stub")
     finally:
         process.kill()
         process.communicate()
@@ -183,10 +161,10 @@ def test_without_a_warm_start_the_stub_becomes_the_plain_command_in_place(
         def exec_done() -> bool:
             return "-m prime_node wallet" in " ".join(psutil.Process(process.pid).cmdline())
 
-        _wait_for(exec_done, "the stub did not exec the command")
+        wait_for(exec_done, "the stub did not exec the command")
         assert not _forked(warm) - before
         if how == "a startup hook":
-            _wait_for((tmp_path / "hook-ran").exists, "the startup hook did not run")
+            wait_for((tmp_path / "hook-ran").exists, "the startup hook did not run")
         else:
             assert not (tmp_path / "hook-ran").exists()
         os.killpg(process.pid, signal.SIGTERM)

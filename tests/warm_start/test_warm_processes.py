@@ -8,38 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import pytest
 
 from prime_node.warm_start.launcher import WarmStart
 from prime_node.warm_start.process import WarmProcess
+from tests.warm_start.helpers import HANG_GUARD_S, gone, wait_for
 
 CLI = [sys.executable, "-m", "prime_node"]
 REPO = Path(__file__).resolve().parents[2]
-HANG_GUARD_S = 120.0
-
-
-@pytest.fixture(scope="module")
-def warm() -> Iterator[WarmStart]:
-    with WarmStart() as server:
-        yield server
-
-
-def _wait_for(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def _start(warm: WarmStart, *args: str, **options: object) -> WarmProcess:
@@ -112,7 +88,7 @@ def test_stopping_the_server_ends_every_child_it_forked(tmp_path: Path) -> None:
     finally:
         server.close()
     assert process.wait(timeout=HANG_GUARD_S) == -signal.SIGKILL
-    _wait_for(lambda: _gone(process.pid), "a child outlived its stopped server")
+    wait_for(lambda: gone(process.pid), "a child outlived its stopped server")
 
 
 def test_a_hostile_or_broken_request_is_refused_and_the_server_keeps_serving(
@@ -163,10 +139,10 @@ def test_the_children_of_a_sigkilled_owner_end_with_its_warm_start_server(tmp_pa
     try:
         assert owner.stdout is not None
         pid = int(owner.stdout.readline())
-        assert not _gone(pid)
+        assert not gone(pid)
         owner.kill()
         owner.wait()
-        _wait_for(lambda: _gone(pid), "a warm child outlived its SIGKILLed owner")
+        wait_for(lambda: gone(pid), "a warm child outlived its SIGKILLed owner")
     finally:
         if owner.poll() is None:
             owner.kill()

@@ -6,12 +6,18 @@ exact: an inferer then counts only its own batches the demand could not know of 
 worker's ``marks`` entry, the newest batch counter heard from it), instead of every inferer counting only
 its own and several filling the same room.
 
-Hostile announcements must not make the trainer believe it has work it has not: each worker has at most
-``per_worker`` batches counted (the inbox's per-worker fetch share), a batch stops counting when it is
-settled (handed to the trainer, rejected, dropped below the floor) or ``timeout_s`` after it was heard
-(a verdict that never comes), and at most ``max_batches`` are tracked in all (the oldest forgotten). So a
-key that announces batches it never delivers holds at most ``per_worker`` places for ``timeout_s``.
-Memory: at most ``max_batches`` batches and ``max_workers`` marks.
+Hostile announcements must not make the trainer believe it has work it has not. Only a *vouched*
+worker's batches count (and are marked): one with a batch an accepting quorum of trusted validators
+vouched for in this run. A fresh key costs nothing to make, so before this any number of Sybil keys,
+each announcing batches it never sends, could fill the demand and starve the trainer; now each key must
+first deliver verified work, and an unvouched worker's batches are simply not counted (its inferer then
+counts them itself, since no mark covers them: at most one surplus batch per new worker). A vouched
+worker has at most ``per_worker`` batches counted (the inbox's per-worker fetch share); a batch stops
+counting when it is settled (handed to the trainer, rejected, dropped below the floor) or ``timeout_s``
+after it was heard (a verdict that never comes), and at most ``max_batches`` are tracked in all (the
+oldest forgotten). So a vouched key that announces batches it never delivers holds at most
+``per_worker`` places for ``timeout_s``. Memory: at most ``max_batches`` batches, ``max_workers`` marks
+and ``max_workers`` vouched workers.
 """
 
 from __future__ import annotations
@@ -52,12 +58,29 @@ class PendingBatches:
         self._pending: OrderedDict[bytes, _Pending] = OrderedDict()
         self._of_worker: Counter[Address] = Counter()
         self._marks: OrderedDict[Address, int] = OrderedDict()
+        self._vouched: OrderedDict[Address, None] = OrderedDict()
         self.not_counted = 0
         """Batches heard beyond their worker's share (heard, marked, not counted)."""
+        self.not_vouched = 0
+        """Batches heard from workers with no accepted batch yet (neither counted nor marked)."""
+
+    def vouched(self, worker: Address) -> None:
+        """An accepting quorum vouched for a batch of ``worker``'s: its announcements count from now on."""
+        self._vouched.pop(worker, None)
+        self._vouched[worker] = None  # the most recently vouched last
+        while len(self._vouched) > self.max_workers:
+            self._vouched.popitem(last=False)
+
+    def is_vouched(self, worker: Address) -> bool:
+        return worker in self._vouched
 
     def heard(self, batch_id: bytes, worker: Address, policy_step: int, counter: int, now: float) -> bool:
-        """A screened batch of ``worker``'s was heard (frame or offer): mark its counter and count it,
-        unless it is counted already or its worker has its share counted; whether it counts now."""
+        """A screened batch of ``worker``'s was heard (frame or offer): if its worker is vouched, mark its
+        counter and count it, unless it is counted already or its worker has its share counted; whether
+        it counts now."""
+        if worker not in self._vouched:
+            self.not_vouched += 1
+            return False
         mark = self._marks.pop(worker, None)
         self._marks[worker] = counter if mark is None else max(mark, counter)  # the newest heard last
         while len(self._marks) > self.max_workers:
