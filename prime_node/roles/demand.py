@@ -74,6 +74,7 @@ def plan_demand(
     per_policy: int = 1,
     depth: int = DEMAND_DEPTH,
     coming: Mapping[int, int] | None = None,
+    shared: int | None = None,
 ) -> tuple[int, tuple[int, ...], int]:
     """The floor, the wants and the fresh wants of a trainer about to train ``step`` (pure).
 
@@ -89,7 +90,8 @@ def plan_demand(
     the next): its wants hold its place in the queue, and no inferer can start it before it is shared.
     ``coming``: batches per policy step heard announced and not yet judged: had, and those at or above
     the floor take room in the queue, but they do not raise the floor (a validator may still reject
-    them, and the floor must never refuse a batch the trainer would take).
+    them, and the floor must never refuse a batch the trainer would take). Room left once every policy
+    is had goes to the newest policy an inferer can hold: ``shared`` (the newest shared; None: ``step``).
     """
     floor = max(0, min(step, step + queued_steps - async_level))
     top = min(step, floor + MAX_WANTED - 1)
@@ -106,6 +108,16 @@ def plan_demand(
         take = min(room, MAX_WANT, max(0, per_policy - have.get(policy, 0)))
         wanted[policy - floor] = take
         room -= take
+    # Room left with every policy had (a lone inferer: its batch arrived, is trained, and the next policy
+    # is not out yet) goes to the newest policy an inferer can hold: the trainer takes a batch per step,
+    # not per policy, and a second batch of it is trained a step later, still the freshest. Without it,
+    # one inferer makes each batch only after the last one is trained and the next policy is out (busy
+    # share 0.15, issue 38). Here every heard batch counts (no room kept back), so these wants stop as
+    # soon as the room is honestly filled.
+    spare = depth - queued_steps - sum(coming.values()) - sum(wanted)
+    newest = step if shared is None else max(floor, min(step, shared))
+    if spare > 0 and newest <= top:
+        wanted[newest - floor] = min(MAX_WANT, wanted[newest - floor] + spare)
     return floor, tuple(wanted), fresh
 
 
@@ -114,30 +126,36 @@ def demand_depth(
     async_level: int,
     *,
     trained_ages: Sequence[int] = (),
+    round_trips: Sequence[int] = (),
     most: int | None = None,
 ) -> int:
     """Steps' worth of batches the trainer wants on their way (heard, not yet judged), being admitted
     and queued, from the ages of recent batches on arrival and when trained (pure).
 
-    A batch's age on arrival (the trainer's step when it is queued minus its policy step) is its round
-    trip in steps: policy shared, fetched, generated, validated, admitted. To never wait, the trainer
-    needs about that many batches on their way plus the one it trains next (Little's law: the late age
-    + 1, the late age being the upper quartile of ``arrival_ages``). A batch waits behind the queue (the
-    oldest policy is trained first) and is dropped ``stale_in_queue`` past ``async_level``: arriving
-    that late behind ``depth - 1`` others it is trained at ``late + depth - 1``, so the depth is at most
-    ``async_level - late + 1``. And when more than one in ``AT_BOUND_SHARE`` of ``trained_ages`` (the
-    latest batches' ages when trained) were at the bound, one step less: a batch trained at the bound is
-    one late arrival away from being dropped. Measured (issue 38, seed 1, ``swarm_learning.py``):
-    counted exactly, a fixed depth of 2 trained 14 % at the bound, dropped 0.3 % and kept the trainer
-    busy 0.71 of the time; a fixed depth of 3 trained 33 % at the bound, dropped 8 %, busy 0.86; this
-    rule with one in 5 dropped 4.2 % (5.3 % in the demo), one in 8 dropped 2.7 % in the demo, busy
-    0.80. Never below 1 (a trainer that wants nothing starves) nor above ``most`` (default
-    ``async_level - 1``); ``DEMAND_DEPTH`` (within those) while nothing has arrived."""
+    A batch's age on arrival (the trainer's step when it is queued minus its policy step) is its round trip in
+    steps: policy shared, fetched, generated, validated, admitted. To never wait, the trainer needs about that
+    many batches on their way plus the one it trains next (Little's law: the late age + 1, the late age being
+    the upper quartile of ``arrival_ages``). But an age counts only the steps the trainer took meanwhile:
+    while it waits for batches they arrive young, and the age says one on the way is enough, a trap that keeps
+    itself true (a lone inferer: busy share 0.15, issue 38). So Little's law reads ``round_trips`` where they
+    say more: the same batches' round trips in the trainer's busy steps (seconds from their policy's making to
+    their arrival ÷ the seconds of a ``train``), the age a trainer that never waited would see. The bound
+    reads the age. A batch waits behind the queue (the oldest policy is trained first) and is dropped
+    ``stale_in_queue`` past ``async_level``: arriving that late behind ``depth - 1`` others it is trained at
+    ``late + depth - 1``, so the depth is at most ``async_level - late + 1``. And when more than one in
+    ``AT_BOUND_SHARE`` of ``trained_ages`` (the latest batches' ages when trained) were at the bound, one step
+    less: a batch trained at the bound is one late arrival away from being dropped. Measured (issue 38, seed
+    1, ``swarm_learning.py``): counted exactly, a fixed depth of 2 trained 14 % at the bound, dropped 0.3 %
+    and kept the trainer busy 0.71 of the time; a fixed depth of 3 trained 33 % at the bound, dropped 8 %,
+    busy 0.86; this rule with one in 5 dropped 4.2 % (5.3 % in the demo), one in 8 dropped 2.7 % in the demo,
+    busy 0.80. Never below 1 (a trainer that wants nothing starves) nor above ``most`` (default ``async_level
+    - 1``); ``DEMAND_DEPTH`` (within those) while nothing has arrived."""
     cap = max(1, async_level - 1 if most is None else most)
     if not arrival_ages:
         return min(cap, DEMAND_DEPTH)
     late = upper_quartile(arrival_ages)
-    depth = min(cap, late + 1, async_level - late + 1)
+    trip = max(late, upper_quartile(round_trips)) if round_trips else late
+    depth = min(cap, trip + 1, async_level - late + 1)
     if AT_BOUND_SHARE * sum(age >= async_level for age in trained_ages) > len(trained_ages):
         depth -= 1
     return max(1, depth)
@@ -164,8 +182,15 @@ class TrainerWants:
         """Batches being admitted per policy step (had, while they wait for admission)."""
         self.step_ms = 0.0
         self._last_step_at: float | None = None
+        self.train_s = 0.0
+        """Recent seconds of one step's ``train`` (an exponential mean): a busy step."""
+        self._training_since: float | None = None
+        self._made_at: dict[int, float] = {}
+        """When each recent policy step was made (its step ended)."""
         self.arrival_ages: deque[int] = deque(maxlen=ARRIVAL_WINDOW)
         """Ages (trainer step - policy step) of the latest batches on arrival, stale ones included."""
+        self.round_trips: deque[int] = deque(maxlen=ARRIVAL_WINDOW)
+        """The same batches' round trips in busy steps, where their policy's making was seen."""
         self.trained_ages: deque[int] = deque(maxlen=ARRIVAL_WINDOW)
         """Ages (trainer step - policy step) of the latest batches when trained."""
         self.ages: dict[str, Counter[int]] = {
@@ -173,19 +198,29 @@ class TrainerWants:
             "trained": Counter(),
             "stale": Counter(),
             "queued": Counter(),
+            "trip": Counter(),
         }
         """Batches by age: on arrival, when trained, and on arrival for those later dropped
         ``stale_in_queue`` (the status shows where staleness comes from: a long round trip or the queue);
-        and steps by the batches queued when they began (``queued``)."""
+        steps by the batches queued when they began (``queued``); and batches by round trip in busy
+        steps (``trip``)."""
 
-    def arrived(self, age: int) -> None:
-        """A batch reached the trainer ``age`` steps after its policy (``demand_depth`` reads these)."""
+    def arrived(self, age: int, *, policy: int | None = None, now: float | None = None) -> None:
+        """A batch of ``policy`` reached the trainer at ``now``, ``age`` steps after its policy
+        (``demand_depth`` reads these, and the round trip when the policy's making was seen)."""
         age = max(0, min(age, self.async_level + 1))  # past the bound is past the bound (bounded keys)
         self.arrival_ages.append(age)
         self.ages["arrival"][age] += 1
+        made_at = None if policy is None else self._made_at.get(policy)
+        if made_at is not None and now is not None and self.train_s > 0:
+            trip = max(0, min(int((now - made_at) / self.train_s), self.async_level + 1))
+            self.round_trips.append(trip)
+            self.ages["trip"][trip] += 1
 
-    def train(self, step: int, policies: Sequence[int], queued: int) -> None:
-        """Step ``step`` trains batches of ``policies`` (had, for the demand); ``queued`` were left."""
+    def train(self, step: int, policies: Sequence[int], queued: int, *, now: float | None = None) -> None:
+        """Step ``step`` trains batches of ``policies`` (had, for the demand) from ``now``; ``queued``
+        were left."""
+        self._training_since = now
         for policy in policies:
             self.trained[policy] += 1
             self.ages["trained"][step - policy] += 1
@@ -203,7 +238,12 @@ class TrainerWants:
 
     def depth(self) -> int:
         """Steps' worth of batches wanted queued now (``demand_depth``)."""
-        return demand_depth(self.arrival_ages, self.async_level, trained_ages=self.trained_ages)
+        return demand_depth(
+            self.arrival_ages,
+            self.async_level,
+            trained_ages=self.trained_ages,
+            round_trips=self.round_trips,
+        )
 
     def admit_ended(self, policy: int) -> None:
         self.admitting[policy] -= 1
@@ -211,7 +251,17 @@ class TrainerWants:
             del self.admitting[policy]
 
     def stepped(self, step: int, now: float) -> None:
-        """Step ``step`` ended at ``now``: its interval into ``step_ms``, old policies out of ``trained``."""
+        """Step ``step`` ended at ``now`` (policy ``step`` made): its interval into ``step_ms``, its
+        ``train`` time into ``train_s``, old policies out of ``trained``."""
+        if self._training_since is not None:
+            busy = now - self._training_since
+            self.train_s = (
+                busy if self.train_s <= 0 else (1 - STEP_MS_WEIGHT) * self.train_s + STEP_MS_WEIGHT * busy
+            )
+            self._training_since = None
+        self._made_at[step] = now
+        for policy in [p for p in self._made_at if p < step - self.async_level - 1]:
+            del self._made_at[policy]
         if self._last_step_at is not None:
             interval_ms = (now - self._last_step_at) * 1000
             self.step_ms = (
@@ -230,10 +280,11 @@ class TrainerWants:
         queued: Mapping[int, int],
         queued_steps: int,
         coming: Mapping[int, int] | None = None,
+        shared: int | None = None,
     ) -> tuple[int, int, tuple[int, ...], int, int]:
         """(step, floor, wanted, step_ms, fresh) for ``DemandPublisher``: ``queued`` batches per policy
         and ``queued_steps`` steps' worth in the trainer's queue, ``coming`` per policy heard announced
-        and not yet judged (default: the ``HeardSource``'s)."""
+        and not yet judged (default: the ``HeardSource``'s), ``shared`` the newest policy shared."""
         if coming is None and self.source is not None:
             coming = self.source.pending_by_policy()
         have = self.trained + Counter(queued) + self.admitting
@@ -244,6 +295,7 @@ class TrainerWants:
             queued_steps=queued_steps + sum(self.admitting.values()),
             depth=self.depth(),
             coming=coming,
+            shared=shared,
         )
         return step, floor, wanted, round(self.step_ms), fresh
 
@@ -338,9 +390,11 @@ class DemandPublisher:
             demand = self.make(context.clock.wall_ms())
             if self.last is None or _wants_of(demand) != _wants_of(self.last) or self._due(context):
                 await self._publish(context, demand)
+                # A rate limit, not a delay: a change after a quiet spell goes out at once (a lone
+                # inferer waits on each one), a burst at most one demand per interval.
+                await trio.sleep(self.min_interval_s)
             with trio.move_on_after(self.period_s):
                 await self._changed.wait()
-            await trio.sleep(self.min_interval_s)
 
     def _due(self, context: NodeContext) -> bool:
         return self.last is not None and context.clock.wall_ms() - self.last.sequence >= self.period_s * 1000

@@ -246,7 +246,10 @@ class TrainerService:
         """(step, floor, wanted, step_ms, fresh) for the demand publisher (``roles/demand.py``): the step
         trained last, even while its policy is being shared (it is wanted the moment it is out)."""
         return self.wants.current(
-            step=self.step, queued=self.gatherer.by_policy(), queued_steps=self.gatherer.queued_steps()
+            step=self.step,
+            queued=self.gatherer.by_policy(),
+            queued_steps=self.gatherer.queued_steps(),
+            shared=self.publisher.newest,
         )
 
     def _demand_changed(self) -> None:
@@ -313,12 +316,16 @@ class TrainerService:
                 self.rejected[exc.reason] += 1
                 log.info("trainer refused an accepted batch from %s: %s", worker, exc)
                 if exc.reason == "stale":  # its round trip counts toward the demand's depth too
-                    self.wants.arrived(self.step - batch.policy_step)
+                    self.wants.arrived(
+                        self.step - batch.policy_step, policy=batch.policy_step, now=trio.current_time()
+                    )
                 continue
             finally:
                 self.wants.admit_ended(batch.policy_step)
                 self._demand_changed()
-            self.wants.arrived(self.step - prepared.policy_step)
+            self.wants.arrived(
+                self.step - prepared.policy_step, policy=prepared.policy_step, now=trio.current_time()
+            )
             self.batches_accepted += 1
             if not self.gatherer.add(
                 Candidate(
@@ -359,7 +366,10 @@ class TrainerService:
                 self.stages.add("queue", t0 - item.accepted_at)
             if self._first_train_at is None:
                 self._first_train_at = t0
-            self.wants.train(self.step, [item.prepared.policy_step for item in queued], len(self.gatherer))
+            self.wants.train(
+                self.step, [item.prepared.policy_step for item in queued], len(self.gatherer), now=t0
+            )
+            self._demand_changed()  # the queue shrank: its room is wanted while this step trains
             metrics = await trio.to_thread.run_sync(self._train, queued, limiter=self._model_lock)
             t1 = trio.current_time()
             self.train_after_first_s += t1 - t0

@@ -316,7 +316,10 @@ class AdmissionService:
             self._not_pending(batch_id)
             log.warning("batch %s accepted with no verified group: nothing to train", batch_id.hex()[:16])
             return
-        self.pending.vouched(batch.worker)  # verified work: its announcements count in the demand from now
+        # Verified work: its announcements count in the demand from now, and its mark covers this batch.
+        self.pending.vouched(batch.worker, batch.batch_counter)
+        if self.on_change is not None:
+            self.on_change()
         groups = sorted(verified)
         lined_up = all(len(verified[g]) == batch.group_size for g in groups)
         self._ready.append(

@@ -132,10 +132,51 @@ def test_the_trainer_counts_where_its_batches_age() -> None:
     wants.arrived(10**9)  # a batch far past the bound counts as just past it
     wants.train(12, [9], 1)
     wants.dropped([(7, 5)])
-    assert wants.ages_status() == {
-        "arrival": {2: 2, 5: 1},
-        "trained": {3: 1},
-        "stale": {2: 1},
-        "queued": {1: 1},
-    }
     assert wants.trained[9] == 1
+    wants.stepped(13, 100.0)  # a step with no start seen: no busy time measured, no round trip
+    wants.arrived(0, policy=13, now=101.0)
+    wants.train(13, [13], 0, now=101.0)
+    wants.stepped(14, 101.5)  # policy 14 made after a train of 0.5 s
+    wants.arrived(0, policy=14, now=103.0)  # 1.5 s after it: three busy steps
+    assert wants.ages_status() == {
+        "arrival": {0: 2, 2: 2, 5: 1},
+        "trained": {0: 1, 3: 1},
+        "stale": {2: 1},
+        "queued": {0: 1, 1: 1},
+        "trip": {3: 1},
+    }
+    assert 9 not in wants.trained  # past the bound of step 14: forgotten
+
+
+@given(AGES.filter(bool), AGES, LEVELS, MOST)
+def test_round_trips_only_deepen_the_queue_and_never_past_the_bound(
+    ages: list[int], trips: list[int], level: int, most: int
+) -> None:
+    by_age = demand_depth(ages, level, most=most)
+    depth = demand_depth(ages, level, round_trips=trips, most=most)
+    assert by_age <= depth <= max(by_age, 1, min(most, level - upper_quartile(ages) + 1))
+
+
+def test_a_waiting_trainer_reads_the_round_trip_in_busy_steps_not_the_age() -> None:
+    """A lone inferer (issue 38): each batch arrived at age 0, because the trainer waited for it, so the
+    age said one on the way was enough and the trainer kept waiting (busy share 0.15). Its round trip,
+    0.4 s to a train of 0.1 s, says four busy steps: the depth is the cap, three steps' worth."""
+    assert demand_depth([0] * ARRIVAL_WINDOW, 4) == 1
+    assert demand_depth([0] * ARRIVAL_WINDOW, 4, round_trips=[4] * ARRIVAL_WINDOW) == 3
+    wants = TrainerWants(async_level=4)
+    now = 0.0
+    for step in range(ARRIVAL_WINDOW):
+        wants.arrived(0, policy=step, now=now + 0.4)  # the policy made at ``now`` arrives 0.4 s later
+        now += 0.4
+        wants.train(step, [step], 0, now=now)
+        now += 0.1
+        wants.stepped(step + 1, now)
+    assert wants.arrival_ages.count(0) == ARRIVAL_WINDOW
+    assert wants.depth() == 3
+    # A trainer that does not wait sees the same round trip as ages: nothing changes for it.
+    busy = TrainerWants(async_level=4)
+    for step in range(ARRIVAL_WINDOW):
+        busy.train(step, [max(0, step - 1)], 1, now=step * 0.1)
+        busy.stepped(step + 1, (step + 1) * 0.1)
+        busy.arrived(1, policy=step, now=(step + 1) * 0.1 + 0.05)
+    assert busy.depth() == demand_depth([1] * ARRIVAL_WINDOW, 4) == 2

@@ -143,23 +143,46 @@ async def test_an_inferer_keeps_counting_its_batches_until_a_demand_counts_them(
 WANTS = st.dictionaries(st.integers(0, 12), st.integers(0, 3), max_size=8)
 
 
-@given(st.integers(0, 12), st.integers(1, 5), WANTS, WANTS, st.integers(0, 4), st.integers(1, 5))
+@given(
+    st.integers(0, 12),
+    st.integers(1, 5),
+    WANTS,
+    WANTS,
+    st.integers(0, 4),
+    st.integers(1, 5),
+    st.none() | st.integers(0, 12),
+)
 def test_batches_heard_announced_are_had_and_take_room_but_never_raise_the_floor(
-    step: int, level: int, have: dict[int, int], coming: dict[int, int], queued: int, depth: int
+    step: int,
+    level: int,
+    have: dict[int, int],
+    coming: dict[int, int],
+    queued: int,
+    depth: int,
+    shared: int | None,
 ) -> None:
     floor, wanted, fresh = plan_demand(
-        step=step, async_level=level, have=have, queued_steps=queued, depth=depth, coming=coming
+        step=step,
+        async_level=level,
+        have=have,
+        queued_steps=queued,
+        depth=depth,
+        coming=coming,
+        shared=shared,
     )
+    newest = step if shared is None else max(floor, min(step, shared))
     assert floor == plan_demand(step=step, async_level=level, have=have, queued_steps=queued)[0]
     heard = sum(n for p, n in coming.items() if floor <= p <= step)  # takeable only, never the last step
     room = max(0, depth - queued - min(heard, depth - 1))
     assert sum(wanted) <= room and fresh <= room
     for i, want in enumerate(wanted):
         policy = floor + i
-        assert want <= max(0, 1 - have.get(policy, 0) - coming.get(policy, 0))
+        once = max(0, 1 - have.get(policy, 0) - coming.get(policy, 0))
+        if want > once:  # only the newest an inferer holds, with every heard batch counted and room left
+            assert policy == newest and queued + heard + sum(wanted) <= depth
     if not coming:
         assert (floor, wanted, fresh) == plan_demand(
-            step=step, async_level=level, have=have, queued_steps=queued, depth=depth
+            step=step, async_level=level, have=have, queued_steps=queued, depth=depth, shared=shared
         )
 
 

@@ -32,7 +32,7 @@ OPS = st.lists(
         st.tuples(st.just("heard"), st.integers(0, 3), st.integers(0, 30), st.integers(0, 5)),
         st.tuples(st.just("settled"), st.integers(0, 30), st.just(0), st.just(0)),
         st.tuples(st.just("wait"), st.integers(0, 30), st.just(0), st.just(0)),
-        st.tuples(st.just("vouch"), st.integers(0, 3), st.just(0), st.just(0)),
+        st.tuples(st.just("vouch"), st.integers(0, 3), st.integers(-1, 30), st.just(0)),
     ),
     max_size=80,
 )
@@ -56,8 +56,10 @@ def test_counted_batches_stay_within_every_bound_and_match_a_model(
             assert vouched or not counted  # an unvouched worker's batch never counts
             if vouched:
                 newest[a] = max(newest.get(a, -1), b)
-        elif op == "vouch":
-            pending.vouched(WORKERS[a])
+        elif op == "vouch":  # by its accepted batch ``b`` (-1: no counter given)
+            pending.vouched(WORKERS[a], None if b < 0 else b)
+            if b >= 0:
+                newest[a] = max(newest.get(a, -1), b)
         elif op == "settled":
             for w in range(4):
                 pending.settled(f"{w}:{a}".encode())
@@ -104,8 +106,10 @@ def test_workers_with_no_accepted_batch_count_nothing_however_many_keys() -> Non
     assert pending.by_policy(0.0) == {} and pending.marks(16) == () and pending.not_vouched == 200
     honest = WORKERS[0]
     assert not pending.heard(b"first", honest, 5, 0, now=0.0)  # its first batch: not yet vouched
-    pending.vouched(honest)
-    assert pending.heard(b"second", honest, 5, 1, now=0.0) and pending.marks(16) == ((honest, 1),)
+    assert not pending.heard(b"second", honest, 5, 1, now=0.0)
+    pending.vouched(honest, 0)  # by its first batch, accepted: the mark covers it (its inferer stops
+    assert pending.marks(16) == ((honest, 0),)  # counting it as on its way)
+    assert pending.heard(b"third", honest, 5, 2, now=0.0) and pending.marks(16) == ((honest, 2),)
     for sybil in sybils:  # vouching is bounded: the oldest vouched are forgotten first
         pending.vouched(sybil)
     assert not pending.is_vouched(honest) and sum(pending.is_vouched(s) for s in sybils) == 8

@@ -56,8 +56,11 @@ async def test_an_honest_batch_is_validated_and_reaches_the_trainer(tmp_path: Pa
         assert stats["accepted"] == 1
         assert stats["accepted_by_worker"] == {str(scenario.key.address): 1}
         # its first batch was heard before any of its was accepted: not counted in the demand; the
-        # accepting verdict vouched for the worker, so its next announcements count
+        # accepting verdict vouched for the worker, so its next announcements count, and the demand's
+        # mark covers that batch (its inferer stops counting it as on its way: without the mark a lone
+        # inferer waited for its verdict timeout, with the trainer idle)
         assert stats["heard_not_vouched"] == 1 and swarm.admission.pending.is_vouched(scenario.key.address)
+        assert dict(swarm.admission.heard_marks(16)) == {scenario.key.address: batch.batch_counter}
         nursery.cancel_scope.cancel()
 
 

@@ -64,12 +64,24 @@ class PendingBatches:
         self.not_vouched = 0
         """Batches heard from workers with no accepted batch yet (neither counted nor marked)."""
 
-    def vouched(self, worker: Address) -> None:
-        """An accepting quorum vouched for a batch of ``worker``'s: its announcements count from now on."""
+    def vouched(self, worker: Address, counter: int | None = None) -> None:
+        """An accepting quorum vouched for a batch of ``worker``'s (batch counter ``counter``): its
+        announcements count from now on, and the mark covers that batch. Without the mark its inferer
+        would go on counting it (and the unvouched ones before it) as on its way: a lone new inferer,
+        whose batches all came before it was vouched, then waited for its own verdict timeout (20 s)
+        with the trainer idle, because nothing newer was heard to move the mark."""
         self._vouched.pop(worker, None)
         self._vouched[worker] = None  # the most recently vouched last
         while len(self._vouched) > self.max_workers:
             self._vouched.popitem(last=False)
+        if counter is not None:
+            self._mark(worker, counter)
+
+    def _mark(self, worker: Address, counter: int) -> None:
+        mark = self._marks.pop(worker, None)
+        self._marks[worker] = counter if mark is None else max(mark, counter)  # the newest heard last
+        while len(self._marks) > self.max_workers:
+            self._marks.popitem(last=False)
 
     def is_vouched(self, worker: Address) -> bool:
         return worker in self._vouched
@@ -81,10 +93,7 @@ class PendingBatches:
         if worker not in self._vouched:
             self.not_vouched += 1
             return False
-        mark = self._marks.pop(worker, None)
-        self._marks[worker] = counter if mark is None else max(mark, counter)  # the newest heard last
-        while len(self._marks) > self.max_workers:
-            self._marks.popitem(last=False)
+        self._mark(worker, counter)
         self.expire(now)
         if batch_id in self._pending:
             return True
