@@ -23,7 +23,8 @@ from crypto.keys import WalletKey
 from prime_node.config import RunConfig
 from prime_node.node_config import NodeConfig
 from prime_node.roles.announcement import RunAnnouncer
-from prime_node.roles.trainer_service import TrainerOptions, TrainerService, check_trainer_key
+from prime_node.roles.trainer_key import check_trainer_key
+from prime_node.roles.trainer_service import TrainerOptions, TrainerService
 from prime_node.verification.batch_archive import open_archive
 from protocol.run_announcement import MAX_BOOTSTRAP, RunAddress
 

@@ -39,9 +39,11 @@ from prime_node.cpu_compute import default_threads
 from prime_node.errors import NodeError
 from prime_node.node.context import RecordPart
 from prime_node.node.stage_times import StageTimes
-from prime_node.roles.demand import DemandPublisher, TrainerWants, heard_source
+from prime_node.roles.demand import DemandPublisher
+from prime_node.roles.demand_plan import TrainerWants, heard_source
 from prime_node.roles.gather import STALE_IN_QUEUE, Candidate, StepGatherer
 from prime_node.roles.trainer_eval import HeldOutEvaluator
+from prime_node.roles.trainer_key import check_trainer_key
 from prime_node.roles.trainer_publisher import PolicyPublisher, Sharer, Timing
 from protocol.codec import encode
 
@@ -61,20 +63,6 @@ class AcceptedSource(Protocol):
     """The part of admission the trainer uses: the next batch with an accepted verdict."""
 
     async def next_accepted(self) -> Any: ...
-
-
-def check_trainer_key(config: RunConfig, key: WalletKey) -> RunConfig:
-    """The run config with ``trainer_address`` filled, or NodeError if this key is not the run's trainer."""
-    if config.trainer_address is None:
-        log.info("run config names no trainer_address: this key (%s) is the trainer", key.address)
-        return config.model_copy(update={"trainer_address": str(key.address)})
-    if config.trainer_address.lower() != str(key.address).lower():
-        raise NodeError(
-            f"this keystore's address {key.address} is not the run's trainer_address "
-            f"{config.trainer_address}: only the trainer key may train and publish checkpoints",
-            reason="not_trainer",
-        )
-    return config
 
 
 @dataclass
@@ -171,7 +159,7 @@ class TrainerService:
         self.stopped_ranks = False
         """``close`` ended the session cleanly on every rank (the ranks may meet in a last barrier)."""
         heard = heard_source(admission, self._demand_changed)  # batches on their way: an exact count
-        self.wants = TrainerWants(self.config.async_level, heard=heard)
+        self.wants = TrainerWants(self.config.async_level, heard=heard, shared=lambda: self.publisher.newest)
         self.train_after_first_s = 0.0
         self.demand = (
             DemandPublisher(
@@ -246,10 +234,7 @@ class TrainerService:
         """(step, floor, wanted, step_ms, fresh) for the demand publisher (``roles/demand.py``): the step
         trained last, even while its policy is being shared (it is wanted the moment it is out)."""
         return self.wants.current(
-            step=self.step,
-            queued=self.gatherer.by_policy(),
-            queued_steps=self.gatherer.queued_steps(),
-            shared=self.publisher.newest,
+            step=self.step, queued=self.gatherer.by_policy(), queued_steps=self.gatherer.queued_steps()
         )
 
     def _demand_changed(self) -> None:
@@ -316,16 +301,12 @@ class TrainerService:
                 self.rejected[exc.reason] += 1
                 log.info("trainer refused an accepted batch from %s: %s", worker, exc)
                 if exc.reason == "stale":  # its round trip counts toward the demand's depth too
-                    self.wants.arrived(
-                        self.step - batch.policy_step, policy=batch.policy_step, now=trio.current_time()
-                    )
+                    self.wants.arrived(self.step, batch.policy_step, trio.current_time())
                 continue
             finally:
                 self.wants.admit_ended(batch.policy_step)
                 self._demand_changed()
-            self.wants.arrived(
-                self.step - prepared.policy_step, policy=prepared.policy_step, now=trio.current_time()
-            )
+            self.wants.arrived(self.step, prepared.policy_step, trio.current_time())
             self.batches_accepted += 1
             if not self.gatherer.add(
                 Candidate(
@@ -366,9 +347,7 @@ class TrainerService:
                 self.stages.add("queue", t0 - item.accepted_at)
             if self._first_train_at is None:
                 self._first_train_at = t0
-            self.wants.train(
-                self.step, [item.prepared.policy_step for item in queued], len(self.gatherer), now=t0
-            )
+            self.wants.train(self.step, [q.prepared.policy_step for q in queued], len(self.gatherer), t0)
             self._demand_changed()  # the queue shrank: its room is wanted while this step trains
             metrics = await trio.to_thread.run_sync(self._train, queued, limiter=self._model_lock)
             t1 = trio.current_time()

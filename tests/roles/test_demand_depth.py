@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prime_node.roles.demand import (
+from prime_node.roles.demand_plan import (
     ARRIVAL_WINDOW,
     AT_BOUND_SHARE,
     DEMAND_DEPTH,
@@ -105,7 +105,7 @@ def test_the_trainer_wants_fewer_batches_once_they_arrive_late() -> None:
     _, floor, wanted, _, fresh = wants.current(step=10, queued={}, queued_steps=0)
     assert (floor, sum(wanted), fresh) == (6, 2, 1)  # nothing measured: two steps' worth, as before
     for _ in range(ARRIVAL_WINDOW):
-        wants.arrived(4)
+        wants.arrived(14, 10)
     assert wants.depth() == 1
     _, floor, wanted, _, fresh = wants.current(step=10, queued={}, queued_steps=0)
     assert (floor, wanted, fresh) == (6, (0, 0, 0, 0, 1), 1)  # the newest policy only
@@ -113,10 +113,10 @@ def test_the_trainer_wants_fewer_batches_once_they_arrive_late() -> None:
     assert (sum(wanted), fresh) == (0, 0)  # one step queued: the inferers wait
     # The window is the latest arrivals: quicker ones bring the depth back.
     for _ in range(ARRIVAL_WINDOW):
-        wants.arrived(1)
+        wants.arrived(11, 10)
     assert wants.depth() == 2
     for _ in range(ARRIVAL_WINDOW):
-        wants.arrived(2)
+        wants.arrived(12, 10)
     assert wants.depth() == 3
     wants.train(12, [10] * 14, 0)
     wants.train(12, [8] * 2, 0)  # two of the latest 16 batches trained at the bound (4) ...
@@ -127,17 +127,17 @@ def test_the_trainer_wants_fewer_batches_once_they_arrive_late() -> None:
 
 def test_the_trainer_counts_where_its_batches_age() -> None:
     wants = TrainerWants(async_level=4)
-    wants.arrived(2)
-    wants.arrived(2)
-    wants.arrived(10**9)  # a batch far past the bound counts as just past it
+    wants.arrived(12, 10)
+    wants.arrived(12, 10)
+    wants.arrived(10**9, 0)  # a batch far past the bound counts as just past it
     wants.train(12, [9], 1)
     wants.dropped([(7, 5)])
     assert wants.trained[9] == 1
     wants.stepped(13, 100.0)  # a step with no start seen: no busy time measured, no round trip
-    wants.arrived(0, policy=13, now=101.0)
-    wants.train(13, [13], 0, now=101.0)
+    wants.arrived(13, 13, 101.0)
+    wants.train(13, [13], 0, 101.0)
     wants.stepped(14, 101.5)  # policy 14 made after a train of 0.5 s
-    wants.arrived(0, policy=14, now=103.0)  # 1.5 s after it: three busy steps
+    wants.arrived(14, 14, 103.0)  # 1.5 s after it: three busy steps
     assert wants.ages_status() == {
         "arrival": {0: 2, 2: 2, 5: 1},
         "trained": {0: 1, 3: 1},
@@ -166,9 +166,9 @@ def test_a_waiting_trainer_reads_the_round_trip_in_busy_steps_not_the_age() -> N
     wants = TrainerWants(async_level=4)
     now = 0.0
     for step in range(ARRIVAL_WINDOW):
-        wants.arrived(0, policy=step, now=now + 0.4)  # the policy made at ``now`` arrives 0.4 s later
+        wants.arrived(step, step, now + 0.4)  # the policy made at ``now`` arrives 0.4 s later
         now += 0.4
-        wants.train(step, [step], 0, now=now)
+        wants.train(step, [step], 0, now)
         now += 0.1
         wants.stepped(step + 1, now)
     assert wants.arrival_ages.count(0) == ARRIVAL_WINDOW
@@ -176,7 +176,7 @@ def test_a_waiting_trainer_reads_the_round_trip_in_busy_steps_not_the_age() -> N
     # A trainer that does not wait sees the same round trip as ages: nothing changes for it.
     busy = TrainerWants(async_level=4)
     for step in range(ARRIVAL_WINDOW):
-        busy.train(step, [max(0, step - 1)], 1, now=step * 0.1)
+        busy.train(step, [max(0, step - 1)], 1, step * 0.1)
         busy.stepped(step + 1, (step + 1) * 0.1)
-        busy.arrived(1, policy=step, now=(step + 1) * 0.1 + 0.05)
+        busy.arrived(step + 1, step, (step + 1) * 0.1 + 0.05)
     assert busy.depth() == demand_depth([1] * ARRIVAL_WINDOW, 4) == 2

@@ -15,7 +15,8 @@ from crypto.keys import WalletKey
 from prime_node.node.context import NodeContext
 from prime_node.node.gossip import Delivered
 from prime_node.p2p.libp2p_host import open_libp2p_host
-from prime_node.roles.demand import DemandPublisher, DemandView, plan_demand
+from prime_node.roles.demand import DemandPublisher, DemandView
+from prime_node.roles.demand_plan import plan_demand
 from protocol.codec import encode
 from protocol.demand import Demand, seal_demand
 from protocol.topics import DEMAND_TOPIC

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from crypto.keys import Address, WalletKey
 from prime_node.config import RunConfig
-from prime_node.roles.demand import DemandView, plan_demand
+from prime_node.roles.demand import DemandView
+from prime_node.roles.demand_plan import plan_demand
 from prime_node.roles.inferer_service import InfererService
 from protocol.codec import encode
 from protocol.demand import Demand, Heard, seal_demand

@@ -229,7 +229,7 @@ def test_gathering_never_trains_stale_future_or_mixed_policies(
 
 
 def test_only_the_trainer_key_may_run_the_trainer() -> None:
-    from prime_node.roles.trainer_service import check_trainer_key
+    from prime_node.roles.trainer_key import check_trainer_key
 
     key, other = WalletKey.generate(), WalletKey.generate()
     config = RunConfig(run_id="loop", trainer_address=str(other.address))

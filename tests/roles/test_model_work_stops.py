@@ -29,6 +29,7 @@ from prime_node.verification.service import ValidatorService, _Queued
 from protocol.codec import decode
 from protocol.envelope import Envelope
 from protocol.rollouts import RolloutBatch
+from tests.one_policy import OnePolicy
 
 SAFETY_S = 60.0
 """When a safety timer frees blocked work (the test takes ~1 s): only the old code waits that long."""
@@ -48,20 +49,6 @@ class _Gossip:
 
 def _context(now_ms: int) -> NodeContext:
     return cast(NodeContext, SimpleNamespace(clock=SimpleNamespace(wall_ms=lambda: now_ms), gossip=_Gossip()))
-
-
-class _OnePolicy:
-    def __init__(self, step: int, path: Path) -> None:
-        self.held = (step, path)
-
-    def newest(self) -> tuple[int, Path]:
-        return self.held
-
-    async def wait_newer(self, than: int | None) -> tuple[int, Path]:
-        if than is None or than < self.held[0]:
-            return self.held
-        await trio.sleep_forever()
-        raise AssertionError("unreachable")
 
 
 class _Endless:
@@ -104,7 +91,7 @@ async def _cancel_inferer_while_generating(producer: _Endless, scenario: Any, pa
     inferer = InfererService(
         key=WalletKey.generate(),
         run_config=scenario.config,
-        swarm=_OnePolicy(scenario.current_step, path),
+        swarm=OnePolicy(scenario.current_step, path),
         producer=producer,
         threads=1,
     )

@@ -37,6 +37,7 @@ from prime_node.verification.batch_transfer import BatchTransfer
 from prime_node.verification.validator import CheckPolicy
 from protocol.codec import encode
 from protocol.scoring import ScoringConfig
+from tests.one_policy import OnePolicy
 from tests.p2p.helpers import wait_until
 from tests.verification.network_helpers import fresh, judged, make_scenario, policy_dir, start_swarm
 
@@ -221,22 +222,6 @@ async def test_fetches_are_bounded_by_bytes_held_and_by_what_the_trainer_has_tak
         nursery.cancel_scope.cancel()
 
 
-class _OnePolicy:
-    """The weight swarm as an inferer sees it, holding one complete policy."""
-
-    def __init__(self, step: int, path: Path) -> None:
-        self.held = (step, path)
-
-    def newest(self) -> tuple[int, Path] | None:
-        return self.held
-
-    async def wait_newer(self, than: int | None) -> tuple[int, Path]:
-        if than is None or than < self.held[0]:
-            return self.held
-        await trio.sleep_forever()
-        raise AssertionError("unreachable")
-
-
 async def test_the_inferer_service_announces_a_batch_over_the_gossip_cap(tmp_path: Path) -> None:
     validator = WalletKey.generate()
     scenario = fresh(
@@ -252,7 +237,7 @@ async def test_the_inferer_service_announces_a_batch_over_the_gossip_cap(tmp_pat
         inferer = InfererService(
             key=scenario.key,
             run_config=scenario.config,
-            swarm=_OnePolicy(scenario.current_step, policy_dir(scenario, tmp_path)),
+            swarm=OnePolicy(scenario.current_step, policy_dir(scenario, tmp_path)),
         )
         await nursery.start(inferer.run, swarm.inferer.context)
         with trio.fail_after(120):
