@@ -27,7 +27,7 @@ AT_BOUND_SHARE = 8
 """``demand_depth`` goes one step shallower when more than one in this many recent batches were trained
 at the staleness bound (or dropped past it)."""
 STEP_MS_WEIGHT = 0.2
-"""Weight of the newest step interval in the demand's ``step_ms`` (an exponential mean)."""
+"""Weight of the newest step in the demand's ``step_ms`` and the trainer's ``train_s`` (exponential means)."""
 
 
 def plan_demand(
@@ -227,21 +227,13 @@ class TrainerWants:
         """Step ``step`` ended at ``now`` (policy ``step`` made): its interval into ``step_ms``, its
         ``train`` time into ``train_s``, old policies out of ``trained``."""
         if self._training_since is not None:
-            busy = now - self._training_since
-            self.train_s = (
-                busy if self.train_s <= 0 else (1 - STEP_MS_WEIGHT) * self.train_s + STEP_MS_WEIGHT * busy
-            )
+            self.train_s = _step_mean(self.train_s, now - self._training_since)
             self._training_since = None
         self._made_at[step] = now
         for policy in [p for p in self._made_at if p < step - self.async_level - 1]:
             del self._made_at[policy]
         if self._last_step_at is not None:
-            interval_ms = (now - self._last_step_at) * 1000
-            self.step_ms = (
-                interval_ms
-                if self.step_ms <= 0
-                else (1 - STEP_MS_WEIGHT) * self.step_ms + STEP_MS_WEIGHT * interval_ms
-            )
+            self.step_ms = _step_mean(self.step_ms, (now - self._last_step_at) * 1000)
         self._last_step_at = now
         for policy in [p for p in self.trained if p < step - self.async_level]:
             del self.trained[policy]
@@ -276,6 +268,11 @@ class TrainerWants:
         if self.source is None:
             return ()
         return tuple(Heard(w, c) for w, c in self.source.heard_marks(MAX_HEARD))
+
+
+def _step_mean(mean: float, value: float) -> float:
+    """An exponential mean over steps (``STEP_MS_WEIGHT``) that starts at its first value."""
+    return value if mean <= 0 else (1 - STEP_MS_WEIGHT) * mean + STEP_MS_WEIGHT * value
 
 
 class HeardSource(Protocol):
